@@ -1,0 +1,58 @@
+"""Tokenizers via the `tokenizers` library: byte-level BPE training for from-scratch models, and loading
+``tokenizer.json`` files (HF checkpoints, our own runs). Nothing is downloaded."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+DEFAULT_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, *, special_tokens: Iterable[str] = DEFAULT_SPECIAL_TOKENS,
+              min_frequency: int = 2, save_path: str | os.PathLike | None = None) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on an iterator of texts.
+
+    Special tokens get the first ids in the order given (``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3 by
+    default). The byte-level alphabet (256 symbols) is always included, so any text is encodable.
+
+    Raises: ValueError if ``vocab_size`` cannot hold the special tokens and the 256 bytes.
+    """
+    special_tokens = list(special_tokens)
+    minimum = 256 + len(special_tokens)
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs >= {minimum} "
+                         f"(256 bytes + {len(special_tokens)} special tokens)")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    if save_path is not None:
+        save_tokenizer(tok, save_path)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, path: str | os.PathLike) -> Path:
+    """Write ``tokenizer.json`` atomically (a file path, or a folder that receives ``tokenizer.json``)."""
+    path = Path(path)
+    if path.is_dir() or not path.suffix:
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / "tokenizer.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+    return path
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load ``tokenizer.json`` from a file path or a checkpoint folder. Raises FileNotFoundError if absent."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer file {path} not found")
+    return Tokenizer.from_file(str(path))

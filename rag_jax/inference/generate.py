@@ -1,0 +1,154 @@
+"""Autoregressive generation: one jitted prefill + decode loop over a fixed-size KV cache.
+
+Prompts of different lengths are left-padded (padding has ``segment_id 0`` and is never attended),
+so every row writes its new token into the same cache slot. An optional prefix ``kv_cache``
+(Block-Attention passage caches, GritLM doc caches) is attended before the prompt; the prompt's
+positions continue after the prefix's last position in each row.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rag_jax.model.kv import KVSegment
+from rag_jax.model.transformer import Transformer
+
+
+def sample_logits(logits, rng, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
+    """Pick next tokens from float32 ``logits [batch, vocab]`` -> int32 ``[batch]``.
+
+    ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by ``temperature``, restricted to
+    the ``top_k`` largest and to the smallest set whose probability mass reaches ``top_p`` (nucleus
+    sampling, Holtzman et al. 2020; the top token is always kept), then sampled.
+    """
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = mass_before < top_p
+        cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "temperature", "top_k", "top_p"))
+def _generate(graphdef, state, tokens, segment_ids, positions, prefix, rng, *, max_new_tokens, eos_id, temperature,
+              top_k, top_p):
+    model = nnx.merge(graphdef, state)
+    cfg = model.config
+    batch, prompt_len = tokens.shape
+    out = model(tokens, positions, segment_ids, mode="causal", kv_cache=prefix)
+    empty = KVSegment.empty(cfg.num_layers, batch, max_new_tokens, cfg.num_kv_heads, cfg.head_dim, out.kv.k.dtype)
+    cache = KVSegment.concat(([prefix] if prefix is not None else []) + [out.kv, empty])
+    first_slot = cache.length - max_new_tokens
+    fill = eos_id if eos_id is not None else 0
+
+    def cond(carry):
+        t, _, _, _, done, _, _ = carry
+        return (t < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        t, cache, last_logits, last_pos, done, generated, rng = carry
+        rng, step_rng = jax.random.split(rng)
+        nxt = sample_logits(last_logits, step_rng, temperature=temperature, top_k=top_k, top_p=top_p)
+        nxt = jnp.where(done, fill, nxt)
+        generated = generated.at[:, t].set(nxt)
+        if eos_id is not None:
+            done = done | (nxt == eos_id)
+        pos = last_pos + 1
+        step = model(nxt[:, None], pos[:, None], jnp.ones((batch, 1), jnp.int32), mode="causal", kv_cache=cache)
+        slot = first_slot + t
+        cache = KVSegment(
+            k=jax.lax.dynamic_update_slice_in_dim(cache.k, step.kv.k.astype(cache.k.dtype), slot, axis=2),
+            v=jax.lax.dynamic_update_slice_in_dim(cache.v, step.kv.v.astype(cache.v.dtype), slot, axis=2),
+            positions=jax.lax.dynamic_update_slice_in_dim(cache.positions, pos[:, None], slot, axis=1),
+            segment_ids=jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, jnp.ones((batch, 1), jnp.int32),
+                                                            slot, axis=1))
+        return t + 1, cache, step.logits[:, -1], pos, done, generated, rng
+
+    generated = jnp.full((batch, max_new_tokens), fill, jnp.int32)
+    carry = (jnp.int32(0), cache, out.logits[:, -1], positions[:, -1], jnp.zeros((batch,), bool), generated, rng)
+    return jax.lax.while_loop(cond, body, carry)[5]
+
+
+def _left_pad(prompts, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(prompts, (np.ndarray, jnp.ndarray)):
+        arr = np.asarray(prompts)
+        if arr.ndim != 2:
+            raise ValueError(f"prompts array must be [batch, len]; got shape {arr.shape}")
+        prompts = arr.tolist()
+    if not prompts:
+        raise ValueError("prompts is empty; pass at least one prompt")
+    lengths = [len(p) for p in prompts]
+    if min(lengths) == 0:
+        raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token")
+    width = max(lengths)
+    tokens = np.full((len(prompts), width), pad_id, np.int32)
+    segment_ids = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p):] = p
+        segment_ids[i, width - len(p):] = 1
+    return tokens, segment_ids
+
+
+def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.ndarray, *, max_new_tokens: int,
+             eos_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, kv_cache: KVSegment | None = None) -> np.ndarray:
+    """Generate ``max_new_tokens`` tokens after each prompt.
+
+    Args:
+      model: a ``Transformer`` or its ``(graphdef, state)`` from ``nnx.split``.
+      prompts: token-id lists of any lengths (left-padded internally) or an int array ``[batch, len]``.
+      max_new_tokens: tokens to generate per row (>= 1).
+      eos_id: stop a row after it emits this id; later slots are filled with ``eos_id``.
+      temperature, top_k, top_p: sampling (``temperature=0`` = greedy); see ``sample_logits``.
+      seed: PRNG seed for sampling.
+      kv_cache: optional prefix ``KVSegment`` (batch matching the prompts) attended before the prompt;
+        prompt positions continue from each row's last prefix position + 1.
+
+    Returns: int32 NumPy ``[batch, max_new_tokens]``.
+    Raises: ValueError for empty prompts, token ids outside the vocabulary, bad sampling parameters, or
+      prefix + prompt + new tokens longer than ``max_seq_len``.
+    """
+    graphdef, state = nnx.split(model) if isinstance(model, nnx.Module) else model
+    cfg = nnx.merge(graphdef, state).config if isinstance(model, tuple) else model.config
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
+        raise ValueError(f"top_k={top_k} must be in [1, vocab_size={cfg.vocab_size}]")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    tokens, segment_ids = _left_pad(prompts, pad_id=0)
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        raise ValueError(f"token id {hi if hi >= cfg.vocab_size else lo} is outside the vocabulary "
+                         f"[0, vocab_size={cfg.vocab_size})")
+    prefix_len = 0 if kv_cache is None else kv_cache.length
+    total = prefix_len + tokens.shape[1] + max_new_tokens
+    if total > cfg.max_seq_len:
+        raise ValueError(f"prefix ({prefix_len}) + prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) = "
+                         f"{total} tokens exceeds max_seq_len={cfg.max_seq_len}")
+    start = np.zeros((tokens.shape[0], 1), np.int32)
+    if kv_cache is not None:
+        if kv_cache.k.shape[1] != tokens.shape[0]:
+            raise ValueError(f"kv_cache batch {kv_cache.k.shape[1]} != number of prompts {tokens.shape[0]}")
+        valid = np.asarray(kv_cache.segment_ids) != 0
+        start = np.where(valid, np.asarray(kv_cache.positions), -1).max(axis=1, keepdims=True) + 1
+    positions = np.maximum(np.cumsum(segment_ids, axis=1) - 1, 0) + start
+    return np.asarray(_generate(graphdef, state, jnp.asarray(tokens), jnp.asarray(segment_ids),
+                                jnp.asarray(positions, jnp.int32), kv_cache, jax.random.key(seed),
+                                max_new_tokens=max_new_tokens, eos_id=eos_id, temperature=float(temperature),
+                                top_k=top_k, top_p=top_p))

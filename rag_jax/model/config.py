@@ -1,0 +1,128 @@
+"""Typed configuration of the Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder.
+
+    Attributes:
+      vocab_size: number of token ids; ids must lie in ``[0, vocab_size)``.
+      hidden_size: model width (tokens are embedded to ``[batch, seq, hidden_size]``).
+      intermediate_size: SwiGLU MLP width.
+      num_layers: decoder layers.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (GQA); must divide ``num_heads``.
+      head_dim: per-head width; ``None`` means ``hidden_size // num_heads``.
+      rope_theta: RoPE base frequency.
+      rope_scaling: ``None`` or a dict with ``rope_type`` in ``("default", "linear", "llama3")``;
+        ``llama3`` needs ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+        ``original_max_position_embeddings`` (Llama 3.1 release); ``linear`` needs ``factor``.
+      rms_norm_eps: RMSNorm epsilon.
+      max_seq_len: the longest sequence (in tokens) the model accepts in one forward pass.
+      tie_embeddings: share the input embedding with the output projection.
+      qkv_bias: biases on the q/k/v projections (Qwen2).
+      sliding_window: Mistral's sliding attention window in tokens, or ``None``.
+      dtype: compute dtype of activations and matmuls.
+      param_dtype: storage dtype of parameters.
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-5
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}; "
+                             f"use one of {divisors}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
+                                 "set head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in SUPPORTED_DTYPES:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; valid: {SUPPORTED_DTYPES}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be None or >= 1 tokens")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported; "
+                                 f"valid: {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A stable string identifying the architecture (for cache keys)."""
+        return repr(sorted(self.to_dict().items()))
+
+    @classmethod
+    def tiny(cls, **overrides) -> "ModelConfig":
+        """A small config for tests and CPU smoke runs."""
+        return cls(**{**PRESETS["tiny"], **overrides})
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; valid: {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, max_seq_len=1024),
+    "cpu-small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
+                      num_kv_heads=2, max_seq_len=2048),
+    # Llama 3.2 1B (tied embeddings, Llama-3.1 RoPE scaling).
+    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                        num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+                        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+                        max_seq_len=131072, tie_embeddings=True, rms_norm_eps=1e-5),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                      num_heads=32, num_kv_heads=8, rope_theta=500000.0, max_seq_len=8192, rms_norm_eps=1e-5),
+}

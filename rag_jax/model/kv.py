@@ -1,0 +1,67 @@
+"""KV segments: cached keys (pre-RoPE) and values of earlier tokens, attended by later queries.
+
+Block-Attention passage caches, GritLM doc caches, EM-LLM memory and the decode cache are all
+``KVSegment``s. Keys are kept *before* RoPE so a segment can be attended at any offset exactly:
+re-encoding is ``seg.with_positions(seg.positions + offset)`` (Block-Attention §2.3, ``k = R(o)·k̃``).
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class KVSegment:
+    """Per-layer cached keys and values of ``length`` tokens (a pytree).
+
+    Attributes:
+      k: ``[num_layers, batch, length, num_kv_heads, head_dim]`` keys before RoPE.
+      v: ``[num_layers, batch, length, num_kv_heads, head_dim]`` values.
+      positions: int32 ``[batch, length]`` RoPE positions the keys are rotated to when attended.
+      segment_ids: int32 ``[batch, length]``; 0 marks an empty slot / padding (never attended).
+    """
+
+    k: jnp.ndarray
+    v: jnp.ndarray
+    positions: jnp.ndarray
+    segment_ids: jnp.ndarray
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arrays of this segment."""
+        return int(sum(x.size * x.dtype.itemsize for x in (self.k, self.v, self.positions, self.segment_ids)))
+
+    def with_positions(self, positions) -> "KVSegment":
+        """The same keys attended at new RoPE ``positions`` (exact re-encoding: keys are pre-RoPE)."""
+        return self.replace(positions=jnp.broadcast_to(jnp.asarray(positions, jnp.int32), self.positions.shape))
+
+    def with_segment_ids(self, segment_ids) -> "KVSegment":
+        return self.replace(
+            segment_ids=jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), self.segment_ids.shape))
+
+    @staticmethod
+    def concat(segments: "list[KVSegment]") -> "KVSegment":
+        """Concatenate segments along the token axis (attention order = list order)."""
+        if not segments:
+            raise ValueError("KVSegment.concat needs at least one segment")
+        if len(segments) == 1:
+            return segments[0]
+        return KVSegment(
+            k=jnp.concatenate([s.k for s in segments], axis=2),
+            v=jnp.concatenate([s.v for s in segments], axis=2),
+            positions=jnp.concatenate([s.positions for s in segments], axis=1),
+            segment_ids=jnp.concatenate([s.segment_ids for s in segments], axis=1),
+        )
+
+    @staticmethod
+    def empty(num_layers: int, batch: int, length: int, num_kv_heads: int, head_dim: int,
+              dtype=jnp.float32) -> "KVSegment":
+        """An all-empty segment (segment_ids 0), e.g. a fixed-size decode cache."""
+        shape = (num_layers, batch, length, num_kv_heads, head_dim)
+        return KVSegment(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                         positions=jnp.zeros((batch, length), jnp.int32),
+                         segment_ids=jnp.zeros((batch, length), jnp.int32))

@@ -1,0 +1,243 @@
+"""Llama-family decoder in Flax NNX: RMSNorm, RoPE, GQA, SwiGLU, optional QKV bias, tied embeddings.
+
+One forward serves every method: explicit ``positions``, a mask from ``segment_ids`` / ``is_global``
+/ ``mode`` (see ``masks.build_mask``), and optional cached ``KVSegment``s attended before the new
+tokens. Tensor layout follows HF (``rotate_half`` RoPE, no folded query scale) so checkpoint
+conversion is a rename plus transposes (``hf.py``). Parameters carry logical axis names
+(``vocab, embed, mlp, heads, kv_heads, head_dim, norm``) that ``rag_jax.sharding`` maps to mesh axes.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rag_jax.model.attention import attend
+from rag_jax.model.config import ModelConfig
+from rag_jax.model.kv import KVSegment
+from rag_jax.model.masks import MASK_MODES, build_mask
+from rag_jax.model.rope import apply_rope, rope_inv_freq
+
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal") -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """``x / rms(x) * scale`` with the statistics in float32 (as HF Llama)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.scale = _param(None, (dim,), ("norm",), param_dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA projections; attention itself is ``attention.attend`` over rotated q/k."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd, h, d = cfg.weight_dtype, cfg.hidden_size, cfg.head_dim
+        self.wq = _param(rngs, (h, cfg.num_heads, d), ("embed", "heads", "head_dim"), pd)
+        self.wk = _param(rngs, (h, cfg.num_kv_heads, d), ("embed", "kv_heads", "head_dim"), pd)
+        self.wv = _param(rngs, (h, cfg.num_kv_heads, d), ("embed", "kv_heads", "head_dim"), pd)
+        self.wo = _param(rngs, (cfg.num_heads, d, h), ("heads", "head_dim", "embed"), pd)
+        if cfg.qkv_bias:
+            self.bq = _param(None, (cfg.num_heads, d), ("heads", "head_dim"), pd, init="zeros")
+            self.bk = _param(None, (cfg.num_kv_heads, d), ("kv_heads", "head_dim"), pd, init="zeros")
+            self.bv = _param(None, (cfg.num_kv_heads, d), ("kv_heads", "head_dim"), pd, init="zeros")
+        self.qkv_bias = cfg.qkv_bias
+
+    def project_qkv(self, x):
+        """x ``[b, s, hidden]`` -> pre-RoPE q ``[b, s, num_heads, head_dim]``, k/v ``[b, s, num_kv_heads, head_dim]``."""
+        dt = x.dtype
+        q = jnp.einsum("bsh,hnd->bsnd", x, self.wq[...].astype(dt))
+        k = jnp.einsum("bsh,hnd->bsnd", x, self.wk[...].astype(dt))
+        v = jnp.einsum("bsh,hnd->bsnd", x, self.wv[...].astype(dt))
+        if self.qkv_bias:
+            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+        return q, k, v
+
+    def output(self, attn_out):
+        """``[b, s, num_heads, head_dim]`` -> ``[b, s, hidden]``."""
+        return jnp.einsum("bsnd,ndh->bsh", attn_out, self.wo[...].astype(attn_out.dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd, h, m = cfg.weight_dtype, cfg.hidden_size, cfg.intermediate_size
+        self.gate = _param(rngs, (h, m), ("embed", "mlp"), pd)
+        self.up = _param(rngs, (h, m), ("embed", "mlp"), pd)
+        self.down = _param(rngs, (m, h), ("mlp", "embed"), pd)
+
+    def __call__(self, x):
+        dt = x.dtype
+        g = x @ self.gate[...].astype(dt)
+        return (jax.nn.silu(g) * (x @ self.up[...].astype(dt))) @ self.down[...].astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
+        self.attn = Attention(cfg, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, mask, inv_freq, cache_k=None, cache_v=None, cache_positions=None):
+        """One pre-norm block. Returns (x ``[b, s, hidden]``, (k, v) pre-RoPE of the new tokens)."""
+        q, k, v = self.attn.project_qkv(self.input_norm(x))
+        k_all, v_all, k_pos = k, v, positions
+        if cache_k is not None:
+            k_all = jnp.concatenate([cache_k.astype(k.dtype), k], axis=1)
+            v_all = jnp.concatenate([cache_v.astype(v.dtype), v], axis=1)
+            k_pos = jnp.concatenate([cache_positions, positions], axis=1)
+        out = attend(apply_rope(q, positions, inv_freq), apply_rope(k_all, k_pos, inv_freq), v_all, mask)
+        x = x + self.attn.output(out)
+        x = x + self.mlp(self.post_attn_norm(x))
+        return x, (k, v)
+
+
+class ModelOutput(NamedTuple):
+    logits: jnp.ndarray  # float32 [batch, seq, vocab]
+    hidden: jnp.ndarray  # [batch, seq, hidden] after the final norm
+    kv: KVSegment        # pre-RoPE KV of the new tokens
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_inputs(cfg: ModelConfig, tokens, positions, segment_ids, mode: str, is_global=None,
+                 kv_cache: KVSegment | None = None) -> None:
+    """Validate forward inputs before compute; raises ValueError/TypeError naming the field.
+
+    Shape checks always run; value checks (token ids in ``[0, vocab_size)``, positions in
+    ``[0, max_seq_len)`` for non-scaled RoPE) run on concrete arrays only.
+    """
+    if mode not in MASK_MODES:
+        raise ValueError(f"mode={mode!r} is not supported; valid: {MASK_MODES}")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq]; got shape {tuple(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be an integer array; got dtype {tokens.dtype}")
+    for name, arr in (("positions", positions), ("segment_ids", segment_ids), ("is_global", is_global)):
+        if arr is not None and tuple(arr.shape) != tuple(tokens.shape):
+            raise ValueError(f"{name} shape {tuple(arr.shape)} must equal tokens shape {tuple(tokens.shape)}")
+    seq = tokens.shape[1]
+    if seq > cfg.max_seq_len:
+        raise ValueError(f"sequence length {seq} exceeds the model maximum max_seq_len={cfg.max_seq_len} tokens")
+    if kv_cache is not None:
+        expect = (cfg.num_layers, tokens.shape[0])
+        if tuple(kv_cache.k.shape[:2]) != expect or kv_cache.k.shape[3:] != (cfg.num_kv_heads, cfg.head_dim):
+            raise ValueError(f"kv_cache.k shape {tuple(kv_cache.k.shape)} does not match [num_layers={cfg.num_layers}, "
+                             f"batch={tokens.shape[0]}, len, num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}]")
+    if _is_concrete(tokens) and tokens.size:
+        lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+        if lo < 0 or hi >= cfg.vocab_size:
+            bad = hi if hi >= cfg.vocab_size else lo
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, vocab_size={cfg.vocab_size})")
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. See module docstring; shapes in ``__call__``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat_policy: str = "none"):
+        if remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy={remat_policy!r}; valid: {REMAT_POLICIES}")
+        self.config = cfg
+        pd = cfg.weight_dtype
+        self.embedding = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
+        self.remat_policy = remat_policy
+
+    @property
+    def inv_freq(self):
+        cfg = self.config
+        return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def embed(self, tokens):
+        """int ``[b, s]`` -> ``[b, s, hidden]`` in the compute dtype."""
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.config.compute_dtype)
+
+    def logits(self, hidden):
+        """``[b, s, hidden]`` (after final norm) -> float32 logits ``[b, s, vocab]``."""
+        w = self.embedding[...].T if self.config.tie_embeddings else self.lm_head[...]
+        return jnp.einsum("bsh,hv->bsv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+    def _layer_fn(self):
+        def run(layer, *args):
+            return layer(*args)
+        if self.remat_policy == "none":
+            return run
+        policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat_policy == "dots" else None)
+        return nnx.remat(run, policy=policy)
+
+    def __call__(self, tokens, positions, segment_ids, *, mode: str = "causal", is_global=None,
+                 kv_cache: KVSegment | None = None) -> ModelOutput:
+        """Forward pass.
+
+        Args:
+          tokens: int32 ``[batch, seq]`` token ids in ``[0, vocab_size)``.
+          positions: int32 ``[batch, seq]`` RoPE positions.
+          segment_ids: int32 ``[batch, seq]``; 0 = padding.
+          mode: ``"causal" | "bidirectional" | "block"`` (see ``masks.build_mask``).
+          is_global: bool ``[batch, seq]`` global tokens for ``block`` mode, or None.
+          kv_cache: cached ``KVSegment`` attended before the new tokens, or None.
+
+        Returns:
+          ``ModelOutput(logits float32 [b, s, vocab], hidden [b, s, hidden], kv KVSegment of the new tokens)``.
+
+        Raises:
+          ValueError / TypeError: see ``check_inputs``.
+        """
+        cfg = self.config
+        check_inputs(cfg, tokens, positions, segment_ids, mode, is_global, kv_cache)
+        positions = positions.astype(jnp.int32)
+        segment_ids = segment_ids.astype(jnp.int32)
+        if kv_cache is None:
+            kv_seg, kv_pos = segment_ids, positions
+        else:
+            kv_seg = jnp.concatenate([kv_cache.segment_ids, segment_ids], axis=1)
+            kv_pos = jnp.concatenate([kv_cache.positions, positions], axis=1)
+        mask = build_mask(mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions,
+                          kv_positions=kv_pos, sliding_window=cfg.sliding_window)
+        inv_freq = self.inv_freq
+        layer_fn = self._layer_fn()
+        x = self.embed(tokens)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            if kv_cache is None:
+                x, (k, v) = layer_fn(layer, x, positions, mask, inv_freq)
+            else:
+                x, (k, v) = layer_fn(layer, x, positions, mask, inv_freq, kv_cache.k[i], kv_cache.v[i],
+                                     kv_cache.positions)
+            ks.append(k)
+            vs.append(v)
+        hidden = self.final_norm(x)
+        kv = KVSegment(k=jnp.stack(ks), v=jnp.stack(vs), positions=positions, segment_ids=segment_ids)
+        return ModelOutput(self.logits(hidden), hidden, kv)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Number of parameters of ``Transformer(cfg)`` via ``jax.eval_shape`` (nothing allocated)."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    return int(sum(x.size for x in jax.tree.leaves(state)))
