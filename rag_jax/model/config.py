@@ -10,6 +10,13 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+class _HashableDict(dict):
+    """A dict that hashes by content, so configs holding ``rope_scaling`` can be jit static arguments."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder.
@@ -77,6 +84,7 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be None or >= 1 tokens")
         if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", _HashableDict(self.rope_scaling))
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported; "

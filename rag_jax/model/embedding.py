@@ -85,7 +85,7 @@ def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
 
 
 def tokenize_for_embedding(tokenizer, text: str, instruction: str = "", *, max_len: int,
-                           fmt: GritFormat = GritFormat()) -> tuple[np.ndarray, np.ndarray]:
+                           fmt: GritFormat = GritFormat(), prefix: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Tokenize one embedding input in the GRIT format, truncated to ``max_len`` tokens.
 
     Args:
@@ -93,6 +93,8 @@ def tokenize_for_embedding(tokenizer, text: str, instruction: str = "", *, max_l
       text: the sample (query or document) text; must be non-empty.
       instruction: task instruction (queries) or ``""`` (documents, notes §2: one-sided instructions).
       max_len: maximum tokens, including the format/instruction prefix.
+      prefix: overrides ``fmt.embed_prefix(instruction)`` (GRIT query-doc caching embeds the doc after
+        ``"\n<|embed|>\n"`` without BOS, paper §4).
 
     Returns:
       ``(ids int32 [n], pool_mask int32 [n])`` with ``n <= max_len``; ``pool_mask`` is 1 on sample tokens.
@@ -103,7 +105,7 @@ def tokenize_for_embedding(tokenizer, text: str, instruction: str = "", *, max_l
     """
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"embedding text must be a non-empty string; got {text!r}")
-    prefix = fmt.embed_prefix(instruction)
+    prefix = fmt.embed_prefix(instruction) if prefix is None else prefix
     ids, offsets = _encode(tokenizer, prefix + text)
     pool = [1 if start >= len(prefix) else 0 for start, _ in offsets]
     n_prefix = len(pool) - sum(pool)

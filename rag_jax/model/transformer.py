@@ -8,6 +8,7 @@ conversion is a rename plus transposes (``hf.py``). Parameters carry logical axi
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -30,7 +31,7 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal") -> nnx.Para
         value = jnp.zeros(shape, dtype)
     else:
         value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
@@ -241,3 +242,22 @@ def count_params(cfg: ModelConfig) -> int:
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     state = nnx.state(abstract, nnx.Param)
     return int(sum(x.size for x in jax.tree.leaves(state)))
+
+
+def jit_forward(model: Transformer):
+    """A jitted functional forward over ``model``'s current parameters (``nnx.split`` once).
+
+    Returns ``f(tokens, positions, segment_ids, *, mode="causal", is_global=None, kv_cache=None) -> ModelOutput``.
+    Shape checks still run at trace time; token-id range checks need concrete inputs (call ``check_inputs``).
+    """
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnames=("mode",))
+    def fwd(state, tokens, positions, segment_ids, mode="causal", is_global=None, kv_cache=None):
+        return nnx.merge(graphdef, state)(tokens, positions, segment_ids, mode=mode, is_global=is_global,
+                                          kv_cache=kv_cache)
+
+    def call(tokens, positions, segment_ids, *, mode="causal", is_global=None, kv_cache=None):
+        return fwd(state, tokens, positions, segment_ids, mode=mode, is_global=is_global, kv_cache=kv_cache)
+
+    return call

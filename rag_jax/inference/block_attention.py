@@ -1,0 +1,213 @@
+"""Block-Attention inference: passage KV reuse with RoPE position re-encoding.
+
+Block-Attention (Ma, Wang, Lan, ICLR 2025, §2.3; research note ``shared/research/block_attention.md``
+§1.3 and §1.7). A prompt is a list of blocks ``[b_1, ..., b_{n-1}, last]``:
+
+1. every block but the last is encoded **alone** at local positions 0..n_b-1 (a causal forward over
+   the block only) and its pre-RoPE keys and values are cached in a ``KVStore`` keyed by the block's
+   token ids, the model fingerprint and the KV dtype;
+2. each cached block is re-encoded to its offset ``o_b = sum of earlier block lengths``:
+   ``k = R(o_b)·k̃`` is just ``seg.with_positions(seg.positions + o_b)`` because keys are stored
+   pre-RoPE and rotated at attention time. This is exact: under the block mask a local block's
+   hidden states do not depend on its offset (note §1.3), and there is no bf16 un-rotate/re-rotate
+   round trip as in the reference server (note §1.8, defect 8);
+3. only the last block is prefilled, at positions ``o_n..o_n+n_last-1``, attending to all cached
+   blocks and causally to itself; decoding continues from there (core ``generate(kv_cache=...)``).
+
+``mode="full"`` runs the same prompt (blocks concatenated, no marker) with plain causal attention,
+for comparison. With ``marker_ids`` (the ``[Block-Attention]`` ids used in block fine-tuning,
+``rag_jax.train.objectives.block``) block mode prepends them to the first block, matching training
+(the reference server computes them but never prepends them, note §1.8 defect 2).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rag_jax.inference.generate import generate as core_generate
+from rag_jax.inference.kv_store import KVStore, model_fingerprint
+from rag_jax.model import KVSegment, Transformer
+
+MODES = ("block", "full")
+
+
+class Prefill(NamedTuple):
+    logits: jax.Array     # float32 [last_len, vocab]: logits of the last block's tokens
+    kv_cache: KVSegment   # batch 1: cached blocks (re-encoded) + the last block, ready for decoding
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _forward(graphdef, state, tokens, positions, segment_ids, kv_cache):
+    """Causal forward of ``tokens [1, n]`` after ``kv_cache`` (or alone): (logits, new-token KV)."""
+    out = nnx.merge(graphdef, state)(tokens, positions, segment_ids, mode="causal", kv_cache=kv_cache)
+    return out.logits, out.kv
+
+
+def _padded_forward(graphdef, state, tokens: np.ndarray, start: int, kv_cache, multiple: int):
+    """``_forward`` of one row at positions ``start..``, right-padded to a multiple of ``multiple``.
+
+    Padding (``segment_ids`` 0) comes after the real tokens, so it changes nothing they see; it only
+    bounds the number of compiled shapes. Returns the unpadded (logits [n, vocab], KV of the n tokens).
+    """
+    n = tokens.size
+    width = -(-n // multiple) * multiple
+    padded = np.zeros((1, width), np.int32)
+    padded[0, :n] = tokens
+    segment_ids = (np.arange(width) < n).astype(np.int32)[None]
+    positions = np.where(segment_ids > 0, start + np.arange(width), 0).astype(np.int32)
+    logits, kv = _forward(graphdef, state, jnp.asarray(padded), jnp.asarray(positions), jnp.asarray(segment_ids),
+                          kv_cache)
+    if width == n:
+        return logits[0], kv
+    return logits[0, :n], KVSegment(k=kv.k[:, :, :n], v=kv.v[:, :, :n], positions=kv.positions[:, :n],
+                                    segment_ids=kv.segment_ids[:, :n])
+
+
+class BlockAttention:
+    """Prompt assembly from cached passage blocks (see module docstring).
+
+    Args:
+      model: a ``Transformer`` or its ``(graphdef, state)``.
+      store: the passage KV store (default: a new 1 GiB store).
+      max_block_len: longest allowed block in tokens (default ``max_seq_len``).
+      max_blocks: most blocks per prompt, the last block included (default: no limit).
+      marker_ids: ids prepended to the first block in block mode (see module docstring).
+      fingerprint: model identity for the store keys; default ``model_fingerprint`` of the weights
+        and config (reads every parameter once; pass e.g. a checkpoint id to skip that).
+      pad_multiple: blocks, the last block and assembled caches are padded (with never-attended
+        slots) to a multiple of this many tokens, so varying lengths reuse compiled shapes.
+    """
+
+    def __init__(self, model: Transformer | tuple, *, store: KVStore | None = None, max_block_len: int | None = None,
+                 max_blocks: int | None = None, marker_ids: Sequence[int] = (), fingerprint: str | None = None,
+                 pad_multiple: int = 16):
+        if pad_multiple < 1:
+            raise ValueError(f"pad_multiple={pad_multiple} must be >= 1 tokens")
+        self.pad_multiple = int(pad_multiple)
+        self.graphdef, self.state = nnx.split(model) if isinstance(model, nnx.Module) else model
+        self.config = nnx.merge(self.graphdef, self.state).config
+        self.store = store if store is not None else KVStore(max_bytes=1 << 30)
+        self.max_block_len = self.config.max_seq_len if max_block_len is None else int(max_block_len)
+        self.max_blocks = max_blocks
+        self.marker_ids = tuple(int(i) for i in marker_ids)
+        self.dtype = self.config.compute_dtype
+        self.fingerprint = fingerprint or model_fingerprint(self.state, self.config.fingerprint())
+
+    def check_blocks(self, blocks: Sequence[Sequence[int]], mode: str = "block", extra_tokens: int = 0
+                     ) -> list[np.ndarray]:
+        """Validate a prompt's blocks before any compute; returns them as int32 arrays (marker applied).
+
+        Raises:
+          ValueError: unknown mode, zero blocks, an empty block, a block longer than
+            ``max_block_len``, more than ``max_blocks`` blocks, a token id outside the vocabulary, or
+            total tokens (+ ``extra_tokens``, e.g. new tokens to generate) beyond ``max_seq_len``.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}; valid: {MODES}")
+        if len(blocks) == 0:
+            raise ValueError("blocks is empty; a prompt needs at least one block (the last block)")
+        if self.max_blocks is not None and len(blocks) > self.max_blocks:
+            raise ValueError(f"{len(blocks)} blocks exceed max_blocks={self.max_blocks}; merge passages into "
+                             "fewer blocks or raise the limit")
+        arrays = [np.asarray(b, np.int32).reshape(-1) for b in blocks]
+        vocab = self.config.vocab_size
+        for i, b in enumerate(arrays):
+            if b.size == 0:
+                raise ValueError(f"block {i} is empty; every block needs at least one token")
+            if b.size > self.max_block_len:
+                raise ValueError(f"block {i} has {b.size} tokens > max_block_len={self.max_block_len}")
+            if b.min() < 0 or b.max() >= vocab:
+                raise ValueError(f"block {i} has token id {b.max() if b.max() >= vocab else b.min()} outside "
+                                 f"[0, vocab_size={vocab})")
+        if mode == "block" and self.marker_ids:
+            arrays[0] = np.concatenate([np.asarray(self.marker_ids, np.int32), arrays[0]])
+        total = sum(b.size for b in arrays) + extra_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(f"prompt of {total - extra_tokens} tokens (+{extra_tokens} to generate) = {total} "
+                             f"exceeds the model maximum max_seq_len={self.config.max_seq_len}")
+        return arrays
+
+    def block_kv(self, block: np.ndarray) -> KVSegment:
+        """The block's KV at local positions 0..n-1 (batch 1), from the store or one forward over it."""
+        def compute() -> KVSegment:
+            return _padded_forward(self.graphdef, self.state, block, 0, None, self.pad_multiple)[1]
+        return self.store.get_or_compute(block, self.fingerprint, self.dtype, compute)
+
+    def assemble(self, blocks: Sequence[np.ndarray], width: int | None = None) -> KVSegment | None:
+        """Cached KV of ``blocks`` (the local blocks, in prompt order), each re-encoded to its offset.
+
+        The result is right-padded with empty slots to ``width`` tokens (default: the next multiple of
+        ``pad_multiple``); None when there are no local blocks and ``width`` is not given.
+        """
+        segments, offset = [], 0
+        for block in blocks:
+            seg = self.block_kv(block)
+            segments.append(seg.with_positions(seg.positions + offset))
+            offset += block.size
+        width = -(-offset // self.pad_multiple) * self.pad_multiple if width is None else width
+        if width < offset:
+            raise ValueError(f"width={width} is shorter than the {offset} cached tokens")
+        if width > offset:
+            cfg = self.config
+            segments.append(KVSegment.empty(cfg.num_layers, 1, width - offset, cfg.num_kv_heads, cfg.head_dim,
+                                            self.dtype))
+        return KVSegment.concat(segments) if segments else None
+
+    def prefill(self, blocks: Sequence[Sequence[int]], *, mode: str = "block") -> Prefill:
+        """Prefill one prompt: block mode reuses cached blocks, full mode runs one causal forward.
+
+        Args:
+          blocks: token-id lists; ``blocks[-1]`` is the last (global) block.
+          mode: ``"block"`` or ``"full"``.
+
+        Returns:
+          ``Prefill(logits float32 [len(blocks[-1]), vocab], kv_cache)``.
+
+        Raises:
+          ValueError: see ``check_blocks``.
+        """
+        arrays = self.check_blocks(blocks, mode)
+        last = arrays[-1]
+        if mode == "full":
+            prompt = np.concatenate(arrays)
+            logits, kv = _padded_forward(self.graphdef, self.state, prompt, 0, None, self.pad_multiple)
+            return Prefill(logits[prompt.size - last.size:], kv)
+        cache = self.assemble(arrays[:-1])
+        offset = sum(b.size for b in arrays[:-1])
+        logits, kv = _padded_forward(self.graphdef, self.state, last, offset, cache, self.pad_multiple)
+        return Prefill(logits, kv if cache is None else KVSegment.concat([cache, kv]))
+
+    def generate(self, prompts: Sequence[Sequence[Sequence[int]]], *, max_new_tokens: int, mode: str = "block",
+                 eos_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0) -> np.ndarray:
+        """Generate after a batch of block prompts; returns int32 ``[batch, max_new_tokens]``.
+
+        Block mode assembles each prompt's cached blocks, right-pads the caches to a common length
+        with empty slots (``segment_ids`` 0, never attended) and lets the core ``generate`` prefill
+        the last blocks after them (positions continue after each row's last cached position) and
+        decode. Full mode passes the concatenated blocks to ``generate`` without a cache.
+
+        Raises:
+          ValueError: no prompts, or a prompt fails ``check_blocks`` (with ``max_new_tokens`` counted).
+        """
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty; pass at least one prompt (a list of blocks)")
+        checked = [self.check_blocks(p, mode, extra_tokens=max_new_tokens) for p in prompts]
+        sampling = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed)
+        model = (self.graphdef, self.state)
+        if mode == "full":
+            return core_generate(model, [np.concatenate(p).tolist() for p in checked], **sampling)
+        cached = [sum(b.size for b in p[:-1]) for p in checked]
+        kv_cache = None
+        if max(cached) > 0:
+            width = -(-max(cached) // self.pad_multiple) * self.pad_multiple
+            rows = [self.assemble(p[:-1], width) for p in checked]
+            kv_cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1 if xs[0].ndim == 5 else 0), *rows)
+        return core_generate(model, [p[-1].tolist() for p in checked], kv_cache=kv_cache, **sampling)

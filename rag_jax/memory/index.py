@@ -1,0 +1,71 @@
+"""Growing inner-product index of event representative vectors (one per layer) over ``rag_jax.retrieval``.
+
+EM-LLM ranks a layer's events by the inner product of the chunk's mean query with each event's representative
+vector (reference ``VectorTensor.sort_by_similarity``, exact). The vectors go into the retrieval ``Index``
+interface: ``ExactIndex`` on the host CPU device for small stores (the reference keeps them on GPU, then offloads
+them to CPU past 50K tokens; host keeps device memory flat), ``ScannIndex`` once a layer holds
+``scann_min_events`` events (``index="auto"``) or always (``index="scann"``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+
+def make_index(kind: str, dim: int):
+    """A ``rag_jax.retrieval`` index of ``kind`` (``"exact"`` on the host CPU device, or ``"scann"``)."""
+    if kind == "exact":
+        from rag_jax.retrieval.exact import ExactIndex
+        return ExactIndex(dim, devices=jax.devices("cpu")[:1])
+    if kind == "scann":
+        from rag_jax.retrieval.scann_index import ScannIndex
+        return ScannIndex(dim)
+    raise ValueError(f"index kind={kind!r}; valid: 'exact', 'scann'")
+
+
+class EventIndex:
+    """Representative vectors of one layer's events (ids = event numbers, in stream order).
+
+    Args:
+      dim: vector size (``num_heads * head_dim``).
+      kind: ``"exact"``, ``"scann"`` or ``"auto"`` (exact, switching to ScaNN at ``scann_min_events``).
+      index_factory: ``(kind, dim) -> Index``; default ``make_index``.
+    """
+
+    def __init__(self, dim: int, kind: str = "auto", scann_min_events: int = 20000,
+                 index_factory: Callable[[str, int], object] | None = None):
+        self.dim, self.kind, self.scann_min_events = dim, kind, scann_min_events
+        self._factory = index_factory or make_index
+        self.backend = "scann" if kind == "scann" else "exact"
+        self.index = self._factory(self.backend, dim)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def nbytes(self) -> int:
+        return self._n * self.dim * 4
+
+    def add(self, vectors: np.ndarray, first_id: int) -> None:
+        """Append float32 ``[n, dim]`` vectors with ids ``first_id..first_id+n-1`` (continuing the ids)."""
+        vectors = np.asarray(vectors, np.float32)
+        if first_id != self._n or vectors.ndim != 2 or vectors.shape[1] != self.dim:
+            raise ValueError(f"EventIndex.add expects ids from {self._n} and vectors [n, {self.dim}]; got id "
+                             f"{first_id}, shape {vectors.shape}")
+        self.index.add(vectors, np.arange(first_id, first_id + len(vectors)))
+        self._n += len(vectors)
+        if self.kind == "auto" and self.backend == "exact" and self._n >= self.scann_min_events:
+            scann = self._factory("scann", self.dim)
+            scann.add(self.index.store.vectors, self.index.store.ids)
+            self.index, self.backend = scann, "scann"
+
+    def search(self, query: np.ndarray, k: int) -> np.ndarray:
+        """Ids (int64 ``[<=k]``) of the events with the largest ``query · vector``, best first."""
+        if k <= 0 or self._n == 0:
+            return np.zeros(0, np.int64)
+        _, ids = self.index.search(np.asarray(query, np.float32).reshape(1, self.dim), k)
+        ids = ids[0]
+        return ids[ids >= 0]

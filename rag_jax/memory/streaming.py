@@ -1,0 +1,406 @@
+"""Streaming chunked prefill and decode with episodic memory (EM-LLM, Fountas et al., ICLR 2025, §3; InfLLM).
+
+``EMLLM`` wraps any rag_jax ``Transformer`` at inference (training-free) and processes inputs far longer than its
+trained context, batch 1 (as the reference). Every chunk of ``chunk_size`` tokens runs the model layer by layer
+(the core's layer internals), where each layer attends with ONE joint softmax (``attend_joint``) over
+
+- the **local window**: the previous ``n_local`` tokens and the chunk, keys rotated at their true relative
+  positions (causal sliding window);
+- **memory**: the ``n_init`` initial tokens (attention sinks), the events retrieved for this layer
+  (similarity + contiguity, ``event_retrieval``) in temporal order, and the buffered tokens that left the query's
+  window but are not yet formed into events.
+
+Positions (``EMLLMConfig.positions``): ``"inf_llm"`` (default, reference behaviour) leaves memory keys unrotated
+and rotates the memory query to ``n_local - 1``, so every memory token sits just outside the window (note §4.4);
+``"contiguous"`` re-encodes memory at contiguous positions ``0..G-1`` (init, then events in temporal order) and
+the buffer after them, so a memory holding everything reproduces full attention exactly.
+
+After each chunk the model's surprise ``-log p(x[t+1] | x[<=t])`` sets event boundaries (``segmentation``),
+optionally refined on the key-similarity graph (``refinement``), and tokens that left the window become events
+(``event_store``): KV to host, one representative vector per layer into the layer's index.
+
+Deliberate differences from the reference code (note §4.4, §4.6):
+- the memory stage masks buffered tokens still inside a query's window (the reference's complement mask is a
+  no-op, so in chunked prefill it attends up to ``chunk_size - 1`` window tokens twice); here every key is seen
+  exactly once per query;
+- RoPE uses the model's own inverse frequencies (incl. Llama-3.1 scaling, which the reference ignores);
+- surprise statistics are float64 and representative scores float32.
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rag_jax.memory.config import EMLLMConfig
+from rag_jax.memory.event_retrieval import ContiguityBuffer, merge_temporal, retrieval_budget, select_by_similarity
+from rag_jax.memory.event_store import DeviceEventCache, EventStore, representative_vectors
+from rag_jax.memory.refinement import key_similarity
+from rag_jax.memory.segmentation import EventSegmenter, surprise_from_logits
+from rag_jax.model import attention as core_attention
+from rag_jax.model import Transformer, apply_rope, attend_joint, build_mask
+
+
+@flax.struct.dataclass
+class LayerBuffers:
+    """Fixed-size device state of one layer.
+
+    Attributes:
+      recent_k, recent_v: ``[buffer_len, num_kv_heads, head_dim]`` pre-RoPE KV of the tokens not yet in
+        events or init (the local window plus older tokens awaiting event formation), in stream order.
+      recent_score: float32 ``[num_heads, buffer_len]`` attention mass each buffered token received while in
+        the local window (representative-token scores).
+      init_k, init_v: ``[max(n_init, 1), num_kv_heads, head_dim]`` initial tokens.
+    """
+
+    recent_k: jax.Array
+    recent_v: jax.Array
+    recent_score: jax.Array
+    init_k: jax.Array
+    init_v: jax.Array
+
+
+def _joint_attention_and_local_mass(groups, q_ok):
+    """``attend_joint(groups)`` plus the attention mass each key of ``groups[0]`` receives, summed over the
+    valid queries: float32 ``[num_heads, kv_len_0]`` (InfLLM/EM-LLM representative scores, note §4.2)."""
+    out = attend_joint(groups)
+    # The core returns only the output; the same logits (CSE'd by XLA) give the weights.
+    logits = jnp.concatenate([core_attention._group_logits(q, k, m) for q, k, _, m in groups], axis=-1)
+    weights = jax.nn.softmax(logits, axis=-1)[..., :groups[0][1].shape[1]]        # [1, kvh, g, q, k0]
+    mass = jnp.einsum("bhgqk,q->hgk", weights, q_ok.astype(jnp.float32))
+    return out, mass.reshape(-1, mass.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _embed(graphdef, state, tokens):
+    return nnx.merge(graphdef, state).embed(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _project(layer_graphdef, n_local, layer_state, x, n_valid, inv_freq):
+    """Pre-RoPE q/k/v of the chunk and the retrieval query: the mean over valid queries of q rotated to
+    ``n_local - 1`` (reference ``_calc_topk_blocks``), float32 ``[num_heads * head_dim]``."""
+    layer = nnx.merge(layer_graphdef, layer_state)
+    q, k, v = layer.attn.project_qkv(layer.input_norm(x))
+    q_len = q.shape[1]
+    q_ret = apply_rope(q, jnp.full((1, q_len), n_local - 1, jnp.int32), inv_freq).astype(jnp.float32)
+    ok = (jnp.arange(q_len) < n_valid).astype(jnp.float32)
+    q_mean = jnp.einsum("bqhd,q->hd", q_ret, ok) / jnp.maximum(n_valid, 1)
+    return q, k, v, q_mean.reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _attend(layer_graphdef, cfg: EMLLMConfig, layer_state, buf: LayerBuffers, cache_k, cache_v, x, q, k, v,
+            inv_freq, mem_slot, mem_off, mem_valid, mem_pos, start, n_valid, init_len, mem_base):
+    """One decoder layer over the chunk with local + memory attention in one softmax.
+
+    ``start``: buffer slot of the chunk's first token; ``mem_slot/mem_off/mem_valid/mem_pos`` ``[memory_capacity]``:
+    cache slot, offset, validity and contiguous position of each retrieved event token; ``mem_base``: number of
+    init + retrieved tokens (contiguous positions of the buffer start after them).
+    """
+    layer = nnx.merge(layer_graphdef, layer_state)
+    q_len, buf_len = q.shape[1], buf.recent_k.shape[0]
+    recent_k = jax.lax.dynamic_update_slice(buf.recent_k, k[0].astype(buf.recent_k.dtype), (start, 0, 0))
+    recent_v = jax.lax.dynamic_update_slice(buf.recent_v, v[0].astype(buf.recent_v.dtype), (start, 0, 0))
+
+    slots = jnp.arange(buf_len)
+    q_slots = start + jnp.arange(q_len)
+    q_ok = jnp.arange(q_len) < n_valid
+    q_seg, kv_seg = q_ok.astype(jnp.int32)[None], (slots < start + n_valid).astype(jnp.int32)[None]
+    causal = build_mask("causal", q_seg, kv_seg, q_order=q_slots, kv_order=slots)
+    local_mask = build_mask("causal", q_seg, kv_seg, q_order=q_slots, kv_order=slots, q_positions=q_slots[None],
+                            kv_positions=slots[None], sliding_window=cfg.n_local)
+
+    base = mem_base if cfg.positions == "contiguous" else 0
+    q_local = apply_rope(q, (base + q_slots)[None], inv_freq)
+    k_local = apply_rope(recent_k[None], (base + slots)[None], inv_freq)
+    groups = [(q_local, k_local, recent_v[None], local_mask)]
+
+    if cfg.memory:
+        # Buffered tokens a query can reach only outside its window lie in the first buf_len - n_local slots.
+        n_out = buf_len - cfg.n_local
+        n_init = buf.init_k.shape[0]
+        event_k = cache_k[mem_slot, mem_off]
+        event_v = cache_v[mem_slot, mem_off]
+        mem_k = jnp.concatenate([buf.init_k, event_k, recent_k[:n_out]])
+        mem_v = jnp.concatenate([buf.init_v, event_v, recent_v[:n_out]])
+        key_ok = jnp.concatenate([jnp.arange(n_init) < init_len, mem_valid]).astype(bool)
+        mem_mask = jnp.concatenate([q_ok[:, None] & key_ok[None, :], (causal & ~local_mask)[0, :, :n_out]], axis=1)
+        if cfg.positions == "contiguous":
+            mem_positions = jnp.concatenate([jnp.arange(n_init), mem_pos, mem_base + slots[:n_out]])
+            q_mem = q_local
+            mem_k = apply_rope(mem_k[None], mem_positions[None].astype(jnp.int32), inv_freq)[0]
+        else:
+            q_mem = apply_rope(q, jnp.full((1, q_len), cfg.n_local - 1, jnp.int32), inv_freq)
+        groups.append((q_mem, mem_k[None], mem_v[None], mem_mask[None]))
+
+    out, mass = _joint_attention_and_local_mass(groups, q_ok)
+    x = x + layer.attn.output(out)
+    x = x + layer.mlp(layer.post_attn_norm(x))
+    return x, buf.replace(recent_k=recent_k, recent_v=recent_v, recent_score=buf.recent_score + mass)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _head(graphdef, state, x, labels):
+    """Logits ``[q_len, vocab]`` and surprise ``-log p(label)`` ``[q_len]`` of the chunk."""
+    model = nnx.merge(graphdef, state)
+    logits = model.logits(model.final_norm(x))
+    return logits[0], surprise_from_logits(logits, labels)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _chunk_similarity(keys, start, width):
+    """Similarity graph ``[width, width]`` of buffer slots ``start..start+width-1`` (clipped) from
+    ``keys [layers, buffer_len, kv_heads, head_dim]``."""
+    idx = jnp.clip(start + jnp.arange(width), 0, keys.shape[1] - 1)
+    return key_similarity(keys[:, idx])
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _event_vectors(bufs, starts, sizes, repr_topk, max_block_size):
+    """Representative vectors ``[num_events, num_layers, num_heads * head_dim]`` of events at buffer slots
+    ``starts`` with ``sizes`` (padding events have size 0)."""
+    keys = jnp.stack([b.recent_k for b in bufs])              # [L, C, kvh, d]
+    scores = jnp.stack([b.recent_score for b in bufs])        # [L, H, C]
+    buf_len = keys.shape[1]
+
+    def one(start, size):
+        idx = jnp.clip(start + jnp.arange(max_block_size), 0, buf_len - 1)
+        return representative_vectors(keys[:, idx], scores[:, :, idx], jnp.maximum(size, 1), repr_topk)
+
+    return jax.vmap(one)(starts, sizes)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _take_init(bufs, init_len, count):
+    """Copy buffer slots ``0..count-1`` into init slots ``init_len..init_len+count-1``."""
+    def one(b):
+        n = b.init_k.shape[0]
+        slot = jnp.arange(n)
+        src = jnp.clip(slot - init_len, 0, b.recent_k.shape[0] - 1)
+        take = (slot >= init_len) & (slot < init_len + count)
+        pick = lambda init, recent: jnp.where(take[:, None, None], recent[src], init)  # noqa: E731
+        return b.replace(init_k=pick(b.init_k, b.recent_k), init_v=pick(b.init_v, b.recent_v))
+    return [one(b) for b in bufs]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _drop_front(bufs, count, new_len):
+    """Remove the first ``count`` buffer slots (shift left) and clear scores beyond ``new_len``."""
+    def one(b):
+        keep = jnp.arange(b.recent_k.shape[0]) < new_len
+        score = jnp.where(keep[None], jnp.roll(b.recent_score, -count, axis=1), 0.0)
+        return b.replace(recent_k=jnp.roll(b.recent_k, -count, axis=0), recent_v=jnp.roll(b.recent_v, -count, axis=0),
+                         recent_score=score)
+    return [one(b) for b in bufs]
+
+
+class EMLLM:
+    """EM-LLM streaming inference over a ``Transformer`` (batch 1).
+
+    Usage::
+
+        em = EMLLM(model, EMLLMConfig(n_local=256, n_mem=256, chunk_size=64))
+        logits = em.prefill(tokens)            # int [seq] -> float32 [vocab] after the last token
+        new_tokens = em.generate(tokens, max_new_tokens=16)
+
+    Raises ValueError for bad configs (see ``EMLLMConfig``), ``refine_from_layer >= num_layers``, empty input,
+    batched input or token ids outside the vocabulary.
+    """
+
+    def __init__(self, model: Transformer, cfg: EMLLMConfig, *, index_factory=None):
+        mcfg = model.config
+        if cfg.refinement is not None and cfg.refine_from_layer >= mcfg.num_layers:
+            raise ValueError(f"refine_from_layer={cfg.refine_from_layer} must be < num_layers={mcfg.num_layers}")
+        self.cfg, self.model_config = cfg, mcfg
+        self._graphdef, self._state = nnx.split(model)
+        split = [nnx.split(layer) for layer in model.layers]
+        self._layer_graphdef = split[0][0]
+        self._layer_states = [s for _, s in split]
+        self._inv_freq = model.inv_freq
+        self._index_factory = index_factory
+        self.buffer_len = cfg.n_local + cfg.chunk_size + cfg.max_block_size
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget the stream (device buffers are reallocated at the same sizes)."""
+        m, cfg = self.model_config, self.cfg
+        dt = m.compute_dtype
+        kv_shape = (self.buffer_len, m.num_kv_heads, m.head_dim)
+        init_shape = (max(cfg.n_init, 1), m.num_kv_heads, m.head_dim)
+        self.buffers = [LayerBuffers(jnp.zeros(kv_shape, dt), jnp.zeros(kv_shape, dt),
+                                     jnp.zeros((m.num_heads, self.buffer_len), jnp.float32),
+                                     jnp.zeros(init_shape, dt), jnp.zeros(init_shape, dt))
+                        for _ in range(m.num_layers)]
+        self.cache = DeviceEventCache(m.num_layers, cfg.cached_events, cfg.max_block_size, m.num_kv_heads,
+                                      m.head_dim, dt)
+        self.store = EventStore(m.num_layers, m.num_heads * m.head_dim, cfg, self._index_factory)
+        self._contiguity = [ContiguityBuffer() for _ in range(m.num_layers)]
+        self.segmenter = EventSegmenter(cfg, self.buffer_len, np.dtype(dt))
+        self.retrieved: list[list[int]] = [[] for _ in range(m.num_layers)]
+
+    def device_buffers(self) -> dict[str, jax.Array]:
+        """Every per-stream device array (their sizes do not depend on the stream length)."""
+        out = {}
+        for i, b in enumerate(self.buffers):
+            for name in ("recent_k", "recent_v", "recent_score", "init_k", "init_v"):
+                out[f"layer{i}.{name}"] = getattr(b, name)
+            out[f"layer{i}.cache_k"], out[f"layer{i}.cache_v"] = self.cache.k[i], self.cache.v[i]
+        return out
+
+    @property
+    def device_nbytes(self) -> int:
+        return int(sum(x.nbytes for x in self.device_buffers().values()))
+
+    # ------------------------------------------------------------------ public API
+    def prefill(self, tokens, return_all_logits: bool = False):
+        """Feed ``tokens`` (int ``[seq]``, seq >= 1) into the stream.
+
+        As the reference: tokens ``[:-1]`` go through chunked prefill with surprise from the next token; the last
+        token goes through the decode path. Returns float32 logits ``[vocab]`` predicting the next token, or
+        ``[seq, vocab]`` for every position with ``return_all_logits`` (tests; memory grows with seq).
+        """
+        tokens = self._check_tokens(tokens)
+        collected = []
+        body = tokens[:-1]
+        for st in range(0, len(body), self.cfg.chunk_size):
+            chunk = body[st:st + self.cfg.chunk_size]
+            logits = self._process(chunk, tokens[st + 1:st + 1 + len(chunk)])
+            if return_all_logits:
+                collected.append(np.asarray(logits)[:len(chunk)])
+        last = self.step(int(tokens[-1]))
+        if return_all_logits:
+            return np.concatenate(collected + [last[None]])
+        return last
+
+    def step(self, token: int) -> np.ndarray:
+        """Decode one token (no surprise boundary, as the reference's decode path); float32 logits ``[vocab]``."""
+        tokens = self._check_tokens([token])
+        return np.asarray(self._process(tokens, None))[0]
+
+    def generate(self, prompt, max_new_tokens: int, eos_id: int | None = None) -> list[int]:
+        """Greedy generation after ``prompt`` (int ``[seq]``); returns up to ``max_new_tokens`` ids."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        logits = self.prefill(prompt)
+        out = []
+        for i in range(max_new_tokens):
+            token = int(np.argmax(logits))
+            out.append(token)
+            if token == eos_id or i == max_new_tokens - 1:
+                break
+            logits = self.step(token)
+        return out
+
+    def _check_tokens(self, tokens) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"tokens must be a 1-D sequence (batch size 1, as the reference); got shape {arr.shape}")
+        if arr.size == 0:
+            raise ValueError("tokens is empty; EM-LLM needs at least one token")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"tokens must be integers; got dtype {arr.dtype}")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.model_config.vocab_size:
+            raise ValueError(f"token id {hi if hi >= self.model_config.vocab_size else lo} is outside the vocabulary "
+                             f"[0, vocab_size={self.model_config.vocab_size})")
+        return arr.astype(np.int32)
+
+    # ------------------------------------------------------------------ one chunk
+    def _process(self, tokens: np.ndarray, labels: np.ndarray | None):
+        """Run one chunk (``len(tokens) <= chunk_size``) through all layers, then update memory."""
+        cfg, n = self.cfg, len(tokens)
+        q_len = 1 if n == 1 else cfg.chunk_size
+        padded = np.zeros(q_len, np.int32)
+        padded[:n] = tokens
+        seg = self.segmenter
+        start, init_len = seg.fill, seg.init_len
+        x = _embed(self._graphdef, self._state, padded[None])
+        for layer in range(self.model_config.num_layers):
+            q, k, v, q_mean = _project(self._layer_graphdef, cfg.n_local, self._layer_states[layer], x, n,
+                                       self._inv_freq)
+            plan = self._plan_memory(layer, q_mean, n)
+            x, self.buffers[layer] = _attend(
+                self._layer_graphdef, cfg, self._layer_states[layer], self.buffers[layer], self.cache.k[layer],
+                self.cache.v[layer], x, q, k, v, self._inv_freq, *plan[:4], start, n, init_len, plan[4])
+        label_arr = np.zeros(q_len, np.int32)
+        if labels is not None:
+            label_arr[:n] = labels
+        logits, surprise = _head(self._graphdef, self._state, x, label_arr[None])
+        self._update_memory(n, None if labels is None else np.asarray(surprise)[:n])
+        return logits
+
+    def _plan_memory(self, layer: int, q_mean, n: int):
+        """Choose this layer's events, make them device-resident, and lay them out in temporal order.
+
+        Returns ``(mem_slot, mem_off, mem_valid, mem_pos, mem_base)`` (see ``_attend``).
+        """
+        cfg = self.cfg
+        cap = cfg.memory_capacity
+        slot_arr, off_arr = np.zeros(cap, np.int32), np.zeros(cap, np.int32)
+        valid, pos = np.zeros(cap, bool), np.zeros(cap, np.int32)
+        ids: list[int] = []
+        if cfg.memory and len(self.store):
+            sizes = self.store.sizes
+            seg = self.segmenter
+            cap_sim, cap_ctg = retrieval_budget(cfg, seg.fill, n, seg.init_len, seg.stream_len)
+            if self.store.num_tokens <= cap_sim:
+                similar = list(range(len(sizes)))
+            else:
+                ranked = self.store.rank(layer, np.asarray(q_mean), cap_sim // cfg.min_block_size + 2)
+                similar = select_by_similarity(ranked, sizes, cap_sim)
+            ids = similar
+            if cfg.contiguity:
+                ids = merge_temporal(self._contiguity[layer].update(similar, sizes, cap_ctg), similar)
+            ids = merge_temporal(ids)
+            slots = self.cache.load(layer, ids, self.store)
+            filled = 0
+            for event_id, slot in zip(ids, slots):
+                size = sizes[event_id]
+                slot_arr[filled:filled + size] = slot
+                off_arr[filled:filled + size] = np.arange(size)
+                filled += size
+            valid[:filled] = True
+            pos[:filled] = self.segmenter.init_len + np.arange(filled)
+        self.retrieved[layer] = ids
+        base = self.segmenter.init_len + int(valid.sum())
+        return slot_arr, off_arr, valid, pos, base
+
+    # ------------------------------------------------------------------ memory formation
+    def _update_memory(self, n: int, surprise: np.ndarray | None) -> None:
+        """Boundaries, init tokens and events of the chunk (``EventSegmenter``), applied to the device buffers."""
+        seg = self.segmenter
+        graph_fn = None
+        if self.cfg.refinement is not None:
+            keys = jnp.stack([b.recent_k for b in self.buffers[self.cfg.refine_from_layer:]])
+            graph_fn = lambda st, width: _chunk_similarity(keys, st, 2 * self.cfg.chunk_size)  # noqa: E731
+        buffer_start = seg.start
+        cut = seg.push(n, surprise, graph_fn)
+        if cut.init:
+            self.buffers = _take_init(self.buffers, seg.init_len - cut.init, cut.init)
+        if cut.event_sizes:
+            self._store_events(buffer_start, cut.init, list(cut.event_sizes))
+        if cut.total:
+            self.buffers = _drop_front(self.buffers, cut.total, seg.fill)
+
+    def _store_events(self, buffer_start: int, first_slot: int, sizes: list[int]) -> None:
+        cfg = self.cfg
+        max_events = (cfg.chunk_size + cfg.max_block_size) // cfg.min_block_size + 1
+        starts = np.zeros(max_events, np.int32)
+        size_arr = np.zeros(max_events, np.int32)
+        starts[:len(sizes)] = first_slot + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        size_arr[:len(sizes)] = sizes
+        vectors = np.asarray(_event_vectors(self.buffers, starts, size_arr, cfg.repr_topk, cfg.max_block_size))
+        total = sum(sizes)
+        span = slice(first_slot, first_slot + total)
+        k_host = np.stack([np.asarray(b.recent_k)[span] for b in self.buffers])
+        v_host = np.stack([np.asarray(b.recent_v)[span] for b in self.buffers])
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        self.store.add([buffer_start + first_slot + int(b) for b in bounds[:-1]],
+                       [k_host[:, a:b].copy() for a, b in zip(bounds[:-1], bounds[1:])],
+                       [v_host[:, a:b].copy() for a, b in zip(bounds[:-1], bounds[1:])], vectors[:len(sizes)])

@@ -1,0 +1,78 @@
+"""Optimizer: optax AdamW with linear warmup then cosine / linear / constant decay, global-norm clipping."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import optax
+
+DECAYS = ("cosine", "linear", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters.
+
+    Attributes:
+      learning_rate: peak learning rate (after warmup).
+      warmup_steps: linear warmup from 0 to the peak over this many optimizer steps.
+      decay: schedule after warmup, down to ``min_lr_ratio * learning_rate`` at ``total_steps``.
+      min_lr_ratio: final learning rate as a fraction of the peak.
+      weight_decay: decoupled (AdamW) weight decay on matrices (ndim >= 2); norm scales are not decayed.
+      b1, b2, eps: Adam moments.
+      grad_clip_norm: clip the global gradient norm to this value; 0 disables.
+    """
+
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip_norm: float = 1.0
+
+    def __post_init__(self):
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate={self.learning_rate} must be > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.decay not in DECAYS:
+            raise ValueError(f"decay={self.decay!r}; valid: {DECAYS}")
+        if self.grad_clip_norm < 0 or self.weight_decay < 0:
+            raise ValueError("grad_clip_norm and weight_decay must be >= 0")
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Learning rate per optimizer step: warmup to the peak, then decay to min_lr_ratio * peak."""
+    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    warmup = min(cfg.warmup_steps, total_steps)
+    decay_steps = max(total_steps - warmup, 1)
+    if cfg.decay == "cosine":
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
+    elif cfg.decay == "linear":
+        decay = optax.linear_schedule(peak, end, decay_steps)
+    else:
+        decay = optax.constant_schedule(peak)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
+def _decay_mask(params):
+    """Weight decay on matrices only: norm scales (1-D) are not decayed (GPT-3 / Llama practice)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    """``clip_by_global_norm`` -> AdamW(schedule); optimizer state mirrors params (same shardings)."""
+    parts = []
+    if cfg.grad_clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip_norm))
+    parts.append(optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, mask=_decay_mask))
+    return optax.chain(*parts)

@@ -1,0 +1,73 @@
+"""Generation features (EOS, sampling, ragged batches, prefix caches) and BPE tokenizer training."""
+import numpy as np
+import pytest
+from flax import nnx
+
+from rag_jax.data.tokenizer import load_tokenizer, train_bpe
+from rag_jax.inference.generate import generate
+from rag_jax.model import ModelConfig, Transformer
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(ModelConfig.tiny(vocab_size=200, max_seq_len=96), rngs=nnx.Rngs(0))
+
+
+def test_ragged_batch_equals_one_by_one(model):
+    r = np.random.default_rng(0)
+    prompts = [r.integers(0, 200, n).tolist() for n in (5, 17, 9)]
+    batched = generate(model, prompts, max_new_tokens=6)
+    for i, p in enumerate(prompts):
+        np.testing.assert_array_equal(batched[i], generate(model, [p], max_new_tokens=6)[0])
+
+
+def test_eos_stops_and_fills(model):
+    p = np.random.default_rng(1).integers(0, 200, (1, 8))
+    free = generate(model, p, max_new_tokens=10)[0]
+    eos = int(free[3])
+    out = generate(model, p, max_new_tokens=10, eos_id=eos)[0]
+    first = int(np.argmax(out == eos))
+    np.testing.assert_array_equal(out[: first + 1], free[: first + 1])
+    assert (out[first:] == eos).all()
+
+
+def test_sampling_is_seeded_and_respects_top_k(model):
+    p = np.random.default_rng(2).integers(0, 200, (2, 8))
+    a = generate(model, p, max_new_tokens=8, temperature=1.0, top_k=1, seed=3)
+    np.testing.assert_array_equal(a, generate(model, p, max_new_tokens=8))  # top_k=1 == greedy
+    s1 = generate(model, p, max_new_tokens=8, temperature=1.5, top_p=0.9, seed=1)
+    s2 = generate(model, p, max_new_tokens=8, temperature=1.5, top_p=0.9, seed=1)
+    np.testing.assert_array_equal(s1, s2)
+    assert not np.array_equal(generate(model, p, max_new_tokens=8, temperature=1.5, seed=2), s1)
+
+
+def test_prefix_kv_cache_equals_full_prompt(model):
+    import jax.numpy as jnp
+    p = np.random.default_rng(4).integers(0, 200, (2, 20))
+    pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    prefix = model(jnp.asarray(p[:, :12]), pos, jnp.ones((2, 12), jnp.int32)).kv
+    np.testing.assert_array_equal(generate(model, p[:, 12:], max_new_tokens=5, kv_cache=prefix),
+                                  generate(model, p, max_new_tokens=5))
+
+
+def test_generate_bad_input(model):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, [[1, 2], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=96"):
+        generate(model, [[1] * 90], max_new_tokens=10)
+    with pytest.raises(ValueError, match="token id 200"):
+        generate(model, [[1, 200]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        generate(model, [[1, 2]], max_new_tokens=2, temperature=1.0, top_p=1.5)
+
+
+def test_train_bpe_roundtrip(tmp_path):
+    texts = [f"Alice {i} lives in Paris and likes chess number {i * 7}." for i in range(200)]
+    tok = train_bpe(texts, vocab_size=400, save_path=tmp_path)
+    again = load_tokenizer(tmp_path)
+    ids = again.encode("Alice lives in Paris — ünïcode ok").ids
+    assert again.decode(ids) == "Alice lives in Paris — ünïcode ok"
+    assert tok.token_to_id("<pad>") == 0 and tok.token_to_id("<eos>") == 2
+    assert len(tok.encode(texts[0]).ids) < len(texts[0]) / 2  # merges were learned
+    with pytest.raises(ValueError, match="vocab_size=100 is too small"):
+        train_bpe(texts, vocab_size=100)
