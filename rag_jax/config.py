@@ -149,8 +149,9 @@ def _check_container(value, tp, key):
 
 def _unknown(key: str, prefix: str, valid) -> ConfigError:
     close = difflib.get_close_matches(key, list(valid), n=1)
-    hint = f"; did you mean {prefix}{close[0]!r}?" if close else ""
-    return ConfigError(f"unknown config key {prefix}{key!r}{hint} Valid keys: {sorted(valid)}")
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+    where = f" in section '{prefix.rstrip('.')}'" if prefix else ""
+    return ConfigError(f"unknown config key '{prefix}{key}'{hint} Valid keys{where}: {sorted(valid)}")
 
 
 def from_dict(cls, data: dict[str, Any] | None, prefix: str = "", _from_string: frozenset = frozenset()):

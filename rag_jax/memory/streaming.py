@@ -93,9 +93,10 @@ def _project(layer_graphdef, n_local, layer_state, x, n_valid, inv_freq):
     return q, k, v, q_mean.reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _attend(layer_graphdef, cfg: EMLLMConfig, layer_state, buf: LayerBuffers, cache_k, cache_v, x, q, k, v,
-            inv_freq, mem_slot, mem_off, mem_valid, mem_pos, start, n_valid, init_len, mem_base):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _attend(layer_graphdef, n_local: int, positions: str, use_memory: bool, layer_state, buf: LayerBuffers,
+            cache_k, cache_v, x, q, k, v, inv_freq, mem_slot, mem_off, mem_valid, mem_pos, start, n_valid, init_len,
+            mem_base):
     """One decoder layer over the chunk with local + memory attention in one softmax.
 
     ``start``: buffer slot of the chunk's first token; ``mem_slot/mem_off/mem_valid/mem_pos`` ``[memory_capacity]``:
@@ -113,16 +114,16 @@ def _attend(layer_graphdef, cfg: EMLLMConfig, layer_state, buf: LayerBuffers, ca
     q_seg, kv_seg = q_ok.astype(jnp.int32)[None], (slots < start + n_valid).astype(jnp.int32)[None]
     causal = build_mask("causal", q_seg, kv_seg, q_order=q_slots, kv_order=slots)
     local_mask = build_mask("causal", q_seg, kv_seg, q_order=q_slots, kv_order=slots, q_positions=q_slots[None],
-                            kv_positions=slots[None], sliding_window=cfg.n_local)
+                            kv_positions=slots[None], sliding_window=n_local)
 
-    base = mem_base if cfg.positions == "contiguous" else 0
+    base = mem_base if positions == "contiguous" else 0
     q_local = apply_rope(q, (base + q_slots)[None], inv_freq)
     k_local = apply_rope(recent_k[None], (base + slots)[None], inv_freq)
     groups = [(q_local, k_local, recent_v[None], local_mask)]
 
-    if cfg.memory:
+    if use_memory:
         # Buffered tokens a query can reach only outside its window lie in the first buf_len - n_local slots.
-        n_out = buf_len - cfg.n_local
+        n_out = buf_len - n_local
         n_init = buf.init_k.shape[0]
         event_k = cache_k[mem_slot, mem_off]
         event_v = cache_v[mem_slot, mem_off]
@@ -130,12 +131,12 @@ def _attend(layer_graphdef, cfg: EMLLMConfig, layer_state, buf: LayerBuffers, ca
         mem_v = jnp.concatenate([buf.init_v, event_v, recent_v[:n_out]])
         key_ok = jnp.concatenate([jnp.arange(n_init) < init_len, mem_valid]).astype(bool)
         mem_mask = jnp.concatenate([q_ok[:, None] & key_ok[None, :], (causal & ~local_mask)[0, :, :n_out]], axis=1)
-        if cfg.positions == "contiguous":
+        if positions == "contiguous":
             mem_positions = jnp.concatenate([jnp.arange(n_init), mem_pos, mem_base + slots[:n_out]])
             q_mem = q_local
             mem_k = apply_rope(mem_k[None], mem_positions[None].astype(jnp.int32), inv_freq)[0]
         else:
-            q_mem = apply_rope(q, jnp.full((1, q_len), cfg.n_local - 1, jnp.int32), inv_freq)
+            q_mem = apply_rope(q, jnp.full((1, q_len), n_local - 1, jnp.int32), inv_freq)
         groups.append((q_mem, mem_k[None], mem_v[None], mem_mask[None]))
 
     out, mass = _joint_attention_and_local_mass(groups, q_ok)
@@ -326,7 +327,8 @@ class EMLLM:
                                        self._inv_freq)
             plan = self._plan_memory(layer, q_mean, n)
             x, self.buffers[layer] = _attend(
-                self._layer_graphdef, cfg, self._layer_states[layer], self.buffers[layer], self.cache.k[layer],
+                self._layer_graphdef, cfg.n_local, cfg.positions, cfg.memory, self._layer_states[layer],
+                self.buffers[layer], self.cache.k[layer],
                 self.cache.v[layer], x, q, k, v, self._inv_freq, *plan[:4], start, n, init_len, plan[4])
         label_arr = np.zeros(q_len, np.int32)
         if labels is not None:

@@ -201,35 +201,28 @@ class GritEmbedder:
 
         self._embed = _embed
 
-    def tokenize(self, texts: list[str], instruction: str | None = None):
-        """-> ``(tokens, attention_mask, pool_mask)`` int32 ``[len(texts), bucket]`` right-padded."""
-        instr = self.instruction if instruction is None else instruction
-        rows = [tokenize_for_embedding(self.tokenizer, t, instr, max_len=self.max_length, fmt=self.fmt)
-                for t in texts]
-        width = min(_bucket(max(len(ids) for ids, _ in rows)), self.max_length)
-        tokens = np.zeros((len(rows), width), np.int32)
-        attn = np.zeros_like(tokens)
-        pool = np.zeros_like(tokens)
-        for i, (ids, pm) in enumerate(rows):
-            tokens[i, :len(ids)], attn[i, :len(ids)], pool[i, :len(ids)] = ids, 1, pm
-        return tokens, attn, pool
-
     def embed(self, texts: list[str], instruction: str | None = None) -> np.ndarray:
         """Embed ``texts`` -> float32 ``[len(texts), dim]``, L2-normalized.
+
+        All texts are tokenized (and validated) before any compute; batches are formed in length order
+        and padded to power-of-two lengths and row counts (few compiled shapes, little padding).
 
         Raises:
           ValueError: an empty text or an instruction that does not fit ``max_length``.
         """
         texts = list(texts)
-        if not texts:
-            return np.zeros((0, self.dim), np.float32)
-        out = []
-        for start in range(0, len(texts), self.batch_size):
-            chunk = texts[start:start + self.batch_size]
-            tokens, attn, pool = self.tokenize(chunk, instruction)
-            # Batch sizes padded to powers of two (few compiled shapes); padded rows are dropped.
-            pad = min(self.batch_size, _bucket(len(chunk), 1)) - len(chunk)
-            if pad:
-                tokens, attn, pool = (np.pad(a, ((0, pad), (0, 0))) for a in (tokens, attn, pool))
-            out.append(np.asarray(self._embed(self._state, tokens, attn, pool))[:len(chunk)])
-        return np.concatenate(out).astype(np.float32)
+        out = np.zeros((len(texts), self.dim), np.float32)
+        instr = self.instruction if instruction is None else instruction
+        rows = [tokenize_for_embedding(self.tokenizer, t, instr, max_len=self.max_length, fmt=self.fmt)
+                for t in texts]
+        order = np.argsort([len(ids) for ids, _ in rows], kind="stable")
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            width = min(_bucket(max(len(rows[i][0]) for i in chunk)), self.max_length)
+            height = min(self.batch_size, _bucket(len(chunk), 1))
+            tokens, attn, pool = (np.zeros((height, width), np.int32) for _ in range(3))
+            for r, i in enumerate(chunk):
+                ids, pm = rows[i]
+                tokens[r, :len(ids)], attn[r, :len(ids)], pool[r, :len(ids)] = ids, 1, pm
+            out[chunk] = np.asarray(self._embed(self._state, tokens, attn, pool))[:len(chunk)]
+        return out

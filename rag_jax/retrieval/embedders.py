@@ -10,6 +10,7 @@ and the indexes (``exact.py``, ``scann_index.py``) search by inner product. Impl
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -65,6 +66,13 @@ def _bucket(n: int, cap: int) -> int:
     return min(next((b for b in _LENGTH_BUCKETS if b >= n), n), cap)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _bert_embed(graphdef, state, tokens, mask):
+    # Module-level and keyed by the (hashable) graphdef: every embedder over the same architecture
+    # reuses the compiled shapes (a reloaded embedder does not recompile).
+    return nnx.merge(graphdef, state).embed(tokens, mask)
+
+
 class BertEmbedder:
     """Sentence embeddings from a BERT checkpoint folder (default: pretrained all-MiniLM-L6-v2).
 
@@ -102,8 +110,7 @@ class BertEmbedder:
         self.tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.tokenizer.enable_truncation(max_length)
         self.tokenizer.no_padding()
-        graphdef, self._state = nnx.split(model)
-        self._embed = jax.jit(lambda state, tokens, mask: nnx.merge(graphdef, state).embed(tokens, mask))
+        self._graphdef, self._state = nnx.split(model)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """WordPiece ids with [CLS]/[SEP], truncated to ``max_length``."""
@@ -129,7 +136,7 @@ class BertEmbedder:
             mask = np.zeros((height, width), np.int32)
             for r, i in enumerate(rows):
                 tokens[r, :len(ids[i])], mask[r, :len(ids[i])] = ids[i], 1
-            out[rows] = np.asarray(self._embed(self._state, tokens, mask))[:len(rows)]
+            out[rows] = np.asarray(_bert_embed(self._graphdef, self._state, tokens, mask))[:len(rows)]
         return out
 
 

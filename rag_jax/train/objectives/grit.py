@@ -230,8 +230,10 @@ def check_batch(config: GritConfig, batch: dict) -> None:
         group_size(batch["query_tokens"].shape[0], batch["passage_tokens"].shape[0])
 
 
-def make_loss_fn(config: GritConfig = GritConfig(), mesh: Mesh | None = None):
-    """The GRIT ``loss_fn(model, batch, rng) -> (loss, metrics)`` for the train step (interfaces.md).
+@dataclasses.dataclass(frozen=True)
+class GritLoss:
+    """The GRIT ``loss_fn(model, batch, rng) -> (loss, metrics)`` for the train step (interfaces.md);
+    hashable, so it can be the step's static argument (``train.objective=rag_jax.train.objectives.grit:GritLoss``).
 
     Batch (right-padded int32 arrays, leading global batch axis; see ``rag_jax.data.grit``):
       ``query_tokens/query_attention_mask/query_pool_mask`` ``[B, Lq]``,
@@ -240,15 +242,26 @@ def make_loss_fn(config: GritConfig = GritConfig(), mesh: Mesh | None = None):
     With ``mesh`` the contrastive loss runs under ``shard_map`` over ``config.data_axes`` (cross-device
     negatives or shard-local ones per ``negatives_cross_device``); without a mesh it is computed on the
     global batch, where every negative is visible (``negatives_cross_device=False`` then needs a mesh).
+    The contrastive loss does not decompose over micro-batches: use ``grad_accum_steps=1`` (the
+    reference uses GradCache for accumulation, notes §5).
 
     Metrics: ``loss``, ``loss_rep``, ``loss_gen`` (unweighted), ``rep_accuracy`` (positive ranked first),
     ``gen_accuracy`` (next-token accuracy on targets).
-    """
-    if mesh is None and config.mode != "generative" and not config.negatives_cross_device:
-        raise ValueError("negatives_cross_device=False needs the mesh (to know the data shards); pass mesh=")
 
-    def loss_fn(model, batch, rng):
+    Raises:
+      ValueError: ``negatives_cross_device=False`` without a mesh; at trace time, a bad batch (``check_batch``).
+    """
+
+    config: GritConfig = GritConfig()
+    mesh: Mesh | None = None
+
+    def __post_init__(self):
+        if self.mesh is None and self.config.mode != "generative" and not self.config.negatives_cross_device:
+            raise ValueError("negatives_cross_device=False needs the mesh (to know the data shards); pass mesh=")
+
+    def __call__(self, model, batch, rng=None):
         del rng  # deterministic: no dropout in GRIT (notes §5)
+        config, mesh = self.config, self.mesh
         check_batch(config, batch)
         metrics, loss = {}, jnp.float32(0.0)
         if config.mode != "generative":
@@ -262,9 +275,8 @@ def make_loss_fn(config: GritConfig = GritConfig(), mesh: Mesh | None = None):
                                             cross_device=config.negatives_cross_device,
                                             temperature=config.temperature)
             g = p.shape[0] // q.shape[0]
-            scores = q @ p.T
             metrics["loss_rep"] = loss_rep
-            metrics["rep_accuracy"] = jnp.mean(jnp.argmax(scores, -1) == jnp.arange(q.shape[0]) * g)
+            metrics["rep_accuracy"] = jnp.mean(jnp.argmax(q @ p.T, -1) == jnp.arange(q.shape[0]) * g)
             loss = loss + loss_rep
         if config.mode != "embedding":
             tokens, attn = batch["gen_tokens"], batch["gen_attention_mask"].astype(jnp.int32)
@@ -278,5 +290,3 @@ def make_loss_fn(config: GritConfig = GritConfig(), mesh: Mesh | None = None):
             loss = loss + config.loss_gen_factor * loss_gen
         metrics["loss"] = loss
         return loss, metrics
-
-    return loss_fn

@@ -1,0 +1,180 @@
+"""Time to first token: full prefill vs Block-Attention with warm passage caches, and HF prefix caching.
+
+Block-Attention (ICLR 2025, Table 3; research note ``shared/research/block_attention.md`` §1.6): with
+every passage block's KV already cached, only the last block (~50 tokens) is prefilled over the
+re-encoded caches. For each total prompt length the script times, in one process, medians of
+``--repeats`` warm runs:
+
+- ``full``: one causal prefill of the whole prompt (rag_jax), logits of the last token only;
+- ``block``: store lookups + re-encoding + prefill of the last block (rag_jax, all caches warm);
+- ``hf full`` / ``hf prefix``: HF transformers ``LlamaForCausalLM`` with the same weights, full prefill
+  and prefill of the last block over a cached prefix (``DynamicCache``, cropped back after each run):
+  the best a user gets there, which works only because the whole prefix is identical; it cannot
+  reuse independently cached blocks.
+
+``FLOP bound`` = FLOPs(full prefill) / FLOPs(last block over the cached context): matmul weights
+(``rag_jax.train.metrics.matmul_params``, LM head for one row) plus 4·layers·heads·head_dim per
+attended (query, key) pair. ``% bound`` = measured speedup / FLOP bound.
+
+    python bench/ttft.py                                  # small default (1K, 2K), ~1 min on 2 CPU cores
+    python bench/ttft.py --sizes 2048,4096,8192,16384     # the issue's sizes
+    python bench/ttft.py --preset llama3.2-1b --dtype bfloat16 --sizes 32768 --no_hf   # one H200
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rag_jax.inference.block_attention import BlockAttention  # noqa: E402
+from rag_jax.inference.kv_store import KVStore  # noqa: E402
+from rag_jax.model import ModelConfig, Transformer  # noqa: E402
+from rag_jax.train.metrics import matmul_params  # noqa: E402
+
+
+def prefill_flops(cfg: ModelConfig, q_len: int, context: int) -> float:
+    """FLOPs to prefill ``q_len`` new tokens after ``context`` cached ones, logits for one row."""
+    head = cfg.hidden_size * cfg.vocab_size
+    dense = 2.0 * (matmul_params(cfg) - head) * q_len + 2.0 * head
+    pairs = q_len * context + q_len * (q_len + 1) / 2
+    return dense + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up (compilation, allocation)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def make_blocks(rng: np.random.Generator, total: int, last_len: int, block_len: int, vocab: int) -> list[list[int]]:
+    body = total - last_len
+    sizes = [block_len] * (body // block_len) + ([body % block_len] if body % block_len else [])
+    return [rng.integers(1, vocab, n).tolist() for n in sizes + [last_len]]
+
+
+def hf_model(model: Transformer):
+    """The same weights as an HF ``LlamaForCausalLM`` (via rag_jax.model.hf.save_hf), fp32, sdpa."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from rag_jax.model.hf import save_hf
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf(model, Path(tmp) / "ckpt")
+        hf = LlamaForCausalLM.from_pretrained(Path(tmp) / "ckpt", torch_dtype=torch.float32,
+                                              attn_implementation="sdpa")
+    return hf.eval()
+
+
+def hf_times(hf, blocks: list[list[int]], repeats: int) -> tuple[float, float, int]:
+    import torch
+    ids = torch.tensor([[t for b in blocks for t in b]])
+    prefix = ids.shape[1] - len(blocks[-1])
+    with torch.inference_mode():
+        def full():
+            return int(hf(ids, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
+        cache = hf(ids[:, :prefix], use_cache=True).past_key_values
+
+        def cached():
+            out = hf(ids[:, prefix:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache.crop(-(ids.shape[1] - prefix))  # drop the last block again (negative: tokens to remove)
+            return int(out.logits[0, -1].argmax())
+        return median_ms(full, repeats), median_ms(cached, repeats), full()
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1024,2048", help="total prompt lengths in tokens, comma-separated")
+    p.add_argument("--last_len", type=int, default=50, help="tokens in the last block (instruction + question)")
+    p.add_argument("--block_len", type=int, default=256, help="tokens per cached passage block")
+    p.add_argument("--preset", default=None, help="model preset (e.g. llama3.2-1b); default: the dims below")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv_heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
+    p.add_argument("--no_hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if min(sizes) <= args.last_len:
+        raise SystemExit(f"error: every size must exceed --last_len={args.last_len}; got {sizes}")
+    dims = dict(dtype=args.dtype, param_dtype=args.dtype, max_seq_len=max(sizes))
+    if args.preset:
+        cfg = ModelConfig.preset(args.preset, **dims)
+    else:
+        cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                          num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, **dims)
+    model = Transformer(cfg, rngs=nnx.Rngs(args.seed))
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    store = KVStore(max_bytes=2 * kv_bytes_per_token * max(sizes) + (1 << 20))
+    ba = BlockAttention(model, store=store, fingerprint=f"bench-seed{args.seed}")
+    hf = None
+    if not args.no_hf:
+        if args.dtype != "float32":
+            raise SystemExit("error: the HF baseline runs in float32 on CPU; pass --dtype float32 or --no_hf")
+        hf = hf_model(model)
+    print(f"backend={jax.default_backend()} devices={jax.device_count()} cpu_threads={os.cpu_count()} "
+          f"model: hidden={cfg.hidden_size} layers={cfg.num_layers} heads={cfg.num_heads}/{cfg.num_kv_heads} "
+          f"vocab={cfg.vocab_size} dtype={cfg.dtype}; last block {args.last_len} tokens, passage blocks "
+          f"{args.block_len} tokens; median of {args.repeats}", flush=True)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for total in sizes:
+        blocks = make_blocks(rng, total, args.last_len, args.block_len, cfg.vocab_size)
+
+        def run(mode):
+            return int(jnp.argmax(ba.prefill(blocks, mode=mode).logits[-1]))
+
+        full_ms = median_ms(lambda: run("full"), args.repeats)
+        run("block")  # fills the passage caches (not timed: they are warm in the measured setting)
+        hits = store.stats["hits"]
+        block_ms = median_ms(lambda: run("block"), args.repeats)
+        assert store.stats["hits"] - hits == (args.repeats + 1) * (len(blocks) - 1), "caches were not warm"
+        bound = prefill_flops(cfg, total, 0) / prefill_flops(cfg, args.last_len, total - args.last_len)
+        row = dict(total=total, blocks=len(blocks), full_ms=full_ms, block_ms=block_ms, speedup=full_ms / block_ms,
+                   bound=bound)
+        if hf is not None:
+            hf_full, hf_prefix, hf_token = hf_times(hf, blocks, args.repeats)
+            row.update(hf_full_ms=hf_full, hf_prefix_ms=hf_prefix, hf_speedup=hf_full / hf_prefix,
+                       same_first_token=hf_token == run("full"))
+        rows.append(row)
+        store.clear()
+        print_table(rows[-1:], header=len(rows) == 1)
+    return rows
+
+
+def print_table(rows: list[dict], header: bool = True) -> None:
+    cols = ["total", "blocks", "full ms", "block ms", "speedup", "FLOP bound", "% bound"]
+    hf_cols = ["hf full ms", "hf prefix ms", "hf speedup", "block/hf prefix"]
+    has_hf = "hf_full_ms" in rows[0]
+    if header:
+        print(" | ".join(cols + (hf_cols if has_hf else [])))
+    for r in rows:
+        cells = [f"{r['total']}", f"{r['blocks']}", f"{r['full_ms']:.1f}", f"{r['block_ms']:.1f}",
+                 f"{r['speedup']:.1f}x", f"{r['bound']:.1f}x", f"{100 * r['speedup'] / r['bound']:.0f}%"]
+        if has_hf:
+            cells += [f"{r['hf_full_ms']:.1f}", f"{r['hf_prefix_ms']:.1f}", f"{r['hf_speedup']:.1f}x",
+                      f"{r['hf_prefix_ms'] / r['block_ms']:.2f}x" + ("" if r["same_first_token"] else " (1st token!=)")]
+        print(" | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Passkey and key-value retrieval far beyond the trained context: EM-LLM vs InfLLM vs sliding window vs full attention.
+
+A small byte-level model (token = UTF-8 byte, vocab 256) is trained at short context (``--train-len`` <= 1K tokens)
+on passkey prompts (the standard filler "The grass is green. ..." of the passkey task used by InfLLM / EM-LLM) and
+synthetic key-value retrieval prompts (the "Lost in the Middle" JSON format with random UUIDs), then evaluated with
+the same weights and four inference methods, all through ``rag_jax.memory.EMLLM``:
+
+- ``em_llm``: surprise segmentation + similarity retrieval (``--em-config``, default train/configs/em_llm_passkey.yaml);
+- ``inf_llm``: the same code with fixed ``--infllm-block``-token blocks (``segmentation: uniform``);
+- ``sliding``: the local window only (``memory: false``);
+- ``full``: full causal attention (a window covering the whole input; exact, verified by the tests), run only up to
+  ``--full-max`` tokens (its cost grows quadratically).
+
+Passkey accuracy (5-digit key, greedy decoding, exact match) is reported per method and length, with the key at
+evenly spread depths. With ``--kv-samples N`` it also scores the real file
+``../shared/data/lost_in_the_middle/kv-retrieval-75_keys.jsonl.gz`` (75 UUID pairs, ~6.3K tokens; correct when the
+gold value appears in the output).
+
+The model is trained with the framework's train step (``rag_jax.train.step``) and saved with orbax under
+``--checkpoint`` (loaded instead when it exists). Examples::
+
+    python eval/passkey.py --checkpoint runs/passkey_model                     # train if missing, small eval
+    python eval/passkey.py --checkpoint runs/passkey_model --lengths 4096 16384 65536 262144 1048576 --samples 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rag_jax import sharding  # noqa: E402
+from rag_jax.memory import EMLLM, EMLLMConfig  # noqa: E402
+from rag_jax.model import ModelConfig, Transformer  # noqa: E402
+from rag_jax.train import optim, step as step_lib  # noqa: E402
+from rag_jax.train.objectives.lm import LMLoss  # noqa: E402
+
+KV_FILE = ROOT.parent / "shared" / "data" / "lost_in_the_middle" / "kv-retrieval-75_keys.jsonl.gz"
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there. ")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is "
+KV_INTRO = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
+METHODS = ("em_llm", "inf_llm", "sliding", "full")
+MIN_PASSKEY_LEN = len(INTRO) + len(NEEDLE.format(key="12345")) + len(QUESTION) + 16
+
+
+def encode(text: str) -> np.ndarray:
+    """UTF-8 bytes as token ids (int32)."""
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+
+def decode(ids) -> str:
+    return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+def passkey_example(rng: np.random.Generator, length: int, depth: float) -> tuple[np.ndarray, str]:
+    """A prompt of ``length`` tokens with a 5-digit key at relative ``depth`` of the filler; returns (ids, key)."""
+    key = f"{rng.integers(10000, 100000)}"
+    needle = NEEDLE.format(key=key)
+    room = length - len(INTRO) - len(needle) - len(QUESTION)
+    if length < MIN_PASSKEY_LEN:
+        raise ValueError(f"length={length} tokens is too short for a passkey prompt (>= {MIN_PASSKEY_LEN})")
+    filler = (FILLER * (room // len(FILLER) + 1))[:room]
+    cut = int(depth * room)
+    cut = filler.rfind(". ", 0, cut) + 2 if filler.rfind(". ", 0, cut) >= 0 else 0
+    text = INTRO + filler[:cut] + needle + filler[cut:] + QUESTION
+    return encode(text), key
+
+
+def kv_prompt(records, key: str) -> str:
+    """The "Lost in the Middle" key-value retrieval prompt (answer: the value's UUID)."""
+    body = ",\n ".join(f'"{k}": "{v}"' for k, v in records)
+    return KV_INTRO + "{" + body + "}\n\nKey: \"" + key + "\"\nCorresponding value:"
+
+
+def synthetic_kv_example(rng: np.random.Generator, max_len: int) -> tuple[str, str]:
+    def uuid():
+        h = "".join(rng.choice(list("0123456789abcdef"), 32))
+        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    pairs = max(2, int(rng.integers(2, max(3, (max_len - 200) // 80))))
+    records = [(uuid(), uuid()) for _ in range(pairs)]
+    key, value = records[int(rng.integers(pairs))]
+    return kv_prompt(records, key), f' "{value}"'
+
+
+def training_batch(rng: np.random.Generator, batch: int, seq_len: int) -> dict[str, np.ndarray]:
+    """Half passkey, half synthetic KV prompts with their answers, each in its own padded row."""
+    tokens = np.zeros((batch, seq_len), np.int32)
+    segment_ids = np.zeros((batch, seq_len), np.int32)
+    for row in range(batch):
+        if row % 2 == 0:
+            prompt, key = passkey_example(rng, int(rng.integers(MIN_PASSKEY_LEN, seq_len - 8)), rng.random())
+            ids = np.concatenate([prompt, encode(key + ".")])
+        else:
+            text, answer = synthetic_kv_example(rng, seq_len)
+            ids = encode(text + answer)[:seq_len]
+        tokens[row, :len(ids)] = ids
+        segment_ids[row, :len(ids)] = 1
+    positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy()
+    return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids}
+
+
+def train_model(cfg: ModelConfig, steps: int, batch: int, seq_len: int, lr: float, seed: int) -> Transformer:
+    """Train with the framework's jitted train step (causal LM loss) on one device."""
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+    tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=lr, warmup_steps=min(100, steps // 10),
+                                                    weight_decay=0.01), steps)
+    graphdef, state, shardings = step_lib.init_train_state(cfg, tx, mesh, seed=seed)
+    train_step = step_lib.make_train_step(graphdef, tx, LMLoss(mode="causal"), shardings, mesh, seed=seed)
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    for i in range(1, steps + 1):
+        state, metrics = train_step(state, training_batch(rng, batch, seq_len))
+        if i % 50 == 0 or i == steps:
+            m = jax.device_get(metrics)
+            print(f"step {i}/{steps} loss {float(m['loss']):.4f} acc {float(m['accuracy']):.3f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return nnx.merge(graphdef, state.params)
+
+
+def save_model(model: Transformer, path: Path) -> None:
+    """Orbax params + model.json, written to a temporary folder then renamed (atomic)."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp.absolute() / "params", nnx.state(model, nnx.Param))
+    ckpt.wait_until_finished()
+    (tmp / "model.json").write_text(json.dumps(model.config.to_dict()))
+    tmp.rename(path)
+
+
+def load_model(path: Path) -> Transformer:
+    cfg = ModelConfig(**json.loads((path / "model.json").read_text()))
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    params = ocp.StandardCheckpointer().restore(path.absolute() / "params", params)
+    return nnx.merge(graphdef, params, rest)
+
+
+def method_config(method: str, base: EMLLMConfig, length: int, infllm_block: int) -> EMLLMConfig:
+    if method == "em_llm":
+        return base
+    if method == "inf_llm":
+        return base.replace(segmentation="uniform", refinement=None, min_block_size=infllm_block,
+                            max_block_size=infllm_block, n_mem=max(base.n_mem, infllm_block))
+    if method == "sliding":
+        return base.replace(memory=False)
+    if method == "full":   # a window covering the input: exact full attention
+        return base.replace(n_local=length + 1, memory=False)
+    raise ValueError(f"method={method!r}; valid: {METHODS}")
+
+
+def run_prompt(model, cfg: EMLLMConfig, cache: dict, prompt: np.ndarray, max_new_tokens: int) -> tuple[str, float]:
+    em = cache.get(cfg)
+    if em is None:
+        em = cache[cfg] = EMLLM(model, cfg)
+    em.reset()
+    t0 = time.perf_counter()
+    out = em.generate(prompt, max_new_tokens)
+    return decode(out), time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--checkpoint", type=Path, default=ROOT / "runs" / "passkey_model",
+                   help="model folder: loaded if it exists, else trained and saved there")
+    p.add_argument("--train-steps", type=int, default=1200)
+    p.add_argument("--train-len", type=int, default=512, help="training context in tokens (<= 1024)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--samples", type=int, default=4, help="passkey prompts per length (depths evenly spread)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--em-config", type=Path, default=ROOT / "train" / "configs" / "em_llm_passkey.yaml")
+    p.add_argument("--infllm-block", type=int, default=128, help="InfLLM fixed block size in tokens")
+    p.add_argument("--full-max", type=int, default=16384, help="longest input run with full attention")
+    p.add_argument("--kv-samples", type=int, default=0, help="examples of the real KV-retrieval file to score")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not MIN_PASSKEY_LEN + 64 <= args.train_len <= 1024:
+        raise SystemExit(f"--train-len={args.train_len} must be in [{MIN_PASSKEY_LEN + 64}, 1024] tokens "
+                         "(short-context training)")
+
+    if args.checkpoint.exists():
+        model = load_model(args.checkpoint)
+        print(f"loaded {args.checkpoint}")
+    else:
+        cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,
+                          num_kv_heads=2, max_seq_len=args.train_len, rope_theta=10000.0)
+        model = train_model(cfg, args.train_steps, args.batch, args.train_len, args.lr, args.seed)
+        save_model(model, args.checkpoint)
+        print(f"saved {args.checkpoint}")
+    base = EMLLMConfig.from_yaml(args.em_config)
+    rng = np.random.default_rng(args.seed + 1)
+    cache: dict = {}
+    results: dict[tuple[str, int], list[bool]] = {}
+    speed: dict[str, list[float]] = {m: [] for m in args.methods}
+    for length in args.lengths:
+        examples = [passkey_example(rng, length, (i + 0.5) / args.samples) for i in range(args.samples)]
+        for method in args.methods:
+            if method == "full" and length > args.full_max:
+                continue
+            cfg = method_config(method, base, length, args.infllm_block)
+            for prompt, key in examples:
+                out, seconds = run_prompt(model, cfg, cache, prompt, 5)
+                results.setdefault((method, length), []).append(out.startswith(key))
+                speed[method].append(len(prompt) / seconds)
+            acc = np.mean(results[(method, length)])
+            print(f"  {method:8s} {length:>8d} tokens: accuracy {acc:.2f} ({np.median(speed[method]):,.0f} tok/s)",
+                  flush=True)
+
+    print("\nPasskey accuracy (exact match of the 5-digit key), trained at", args.train_len, "tokens")
+    print("| method | " + " | ".join(f"{n:,}" for n in args.lengths) + " | median tok/s |")
+    print("|---" * (len(args.lengths) + 2) + "|")
+    for method in args.methods:
+        cells = [f"{np.mean(results[(method, n)]):.2f}" if (method, n) in results else "-" for n in args.lengths]
+        rate = f"{np.median(speed[method]):,.0f}" if speed[method] else "-"
+        print(f"| {method} | " + " | ".join(cells) + f" | {rate} |")
+
+    if args.kv_samples:
+        if not KV_FILE.exists():
+            print(f"\nKV retrieval skipped: {KV_FILE} is absent")
+            return
+        import gzip
+        with gzip.open(KV_FILE, "rt") as f:
+            rows = [json.loads(line) for _, line in zip(range(args.kv_samples), f)]
+        print(f"\nKey-value retrieval, {KV_FILE.name}, {len(rows)} examples (gold value in the output)")
+        print("| method | accuracy | prompt tokens |")
+        print("|---|---|---|")
+        for method in args.methods:
+            hits, lengths = [], []
+            for row in rows:
+                prompt = encode(kv_prompt(row["ordered_kv_records"], row["key"]))
+                if method == "full" and len(prompt) > args.full_max:
+                    continue
+                out, _ = run_prompt(model, method_config(method, base, len(prompt), args.infllm_block), cache,
+                                    prompt, 40)
+                hits.append(row["value"] in out)
+                lengths.append(len(prompt))
+            if hits:
+                print(f"| {method} | {np.mean(hits):.2f} | {int(np.median(lengths)):,} |")
+
+
+if __name__ == "__main__":
+    main()

