@@ -47,14 +47,12 @@ from rag_jax.train import optim, step as step_lib  # noqa: E402
 from rag_jax.train.objectives.lm import LMLoss  # noqa: E402
 
 KV_FILE = ROOT.parent / "shared" / "data" / "lost_in_the_middle" / "kv-retrieval-75_keys.jsonl.gz"
-INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-         "I will quiz you about the important information there. ")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is "
 KV_INTRO = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
 METHODS = ("em_llm", "inf_llm", "sliding", "full")
-MIN_PASSKEY_LEN = len(INTRO) + len(NEEDLE.format(key="12345")) + len(QUESTION) + 16
+MIN_PASSKEY_LEN = len(NEEDLE.format(key="12345")) + len(QUESTION) + 16
 
 
 def encode(text: str) -> np.ndarray:
@@ -70,13 +68,13 @@ def passkey_example(rng: np.random.Generator, length: int, depth: float) -> tupl
     """A prompt of ``length`` tokens with a 5-digit key at relative ``depth`` of the filler; returns (ids, key)."""
     key = f"{rng.integers(10000, 100000)}"
     needle = NEEDLE.format(key=key)
-    room = length - len(INTRO) - len(needle) - len(QUESTION)
+    room = length - len(needle) - len(QUESTION)
     if length < MIN_PASSKEY_LEN:
         raise ValueError(f"length={length} tokens is too short for a passkey prompt (>= {MIN_PASSKEY_LEN})")
     filler = (FILLER * (room // len(FILLER) + 1))[:room]
     cut = int(depth * room)
     cut = filler.rfind(". ", 0, cut) + 2 if filler.rfind(". ", 0, cut) >= 0 else 0
-    text = INTRO + filler[:cut] + needle + filler[cut:] + QUESTION
+    text = filler[:cut] + needle + filler[cut:] + QUESTION
     return encode(text), key
 
 
@@ -179,9 +177,9 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--checkpoint", type=Path, default=ROOT / "runs" / "passkey_model",
                    help="model folder: loaded if it exists, else trained and saved there")
-    p.add_argument("--train-steps", type=int, default=1200)
-    p.add_argument("--train-len", type=int, default=512, help="training context in tokens (<= 1024)")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--train-steps", type=int, default=1500)
+    p.add_argument("--train-len", type=int, default=256, help="training context in tokens (<= 1024)")
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--samples", type=int, default=4, help="passkey prompts per length (depths evenly spread)")
@@ -200,7 +198,7 @@ def main(argv=None) -> None:
         model = load_model(args.checkpoint)
         print(f"loaded {args.checkpoint}")
     else:
-        cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,
+        cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_layers=3, num_heads=4,
                           num_kv_heads=2, max_seq_len=args.train_len, rope_theta=10000.0)
         model = train_model(cfg, args.train_steps, args.batch, args.train_len, args.lr, args.seed)
         save_model(model, args.checkpoint)

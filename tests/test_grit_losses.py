@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax.train.objectives.grit import (GritConfig, group_size, info_nce, info_nce_local_negatives,
-                                           info_nce_sharded, next_token_loss)
+from rag_jax.train.objectives.grit import (GritConfig, _gather_keep_local_grad, group_size, info_nce,
+                                           info_nce_local_negatives, info_nce_sharded, next_token_loss)
 
 TEMP = 0.02
 
@@ -82,6 +82,22 @@ def test_info_nce_sharded_8_devices(mesh_shape, axes, g, cross_device):
     # Cross-device negatives change the loss (more candidates) — the option is not a no-op.
     other = np_info_nce(q, p, TEMP, 8 if cross_device else 1)[0]
     assert abs(other - ref) > 1e-3
+
+
+def test_gathered_negatives_carry_gradient_only_through_the_local_slice():
+    """As the reference (all_gather under no_grad, local tensor put back): a shard's gradient of a
+    function of the gathered batch is only the cotangent of its own rows."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((16, 3)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, 3)), jnp.float32)
+
+    def per_shard(x_local):
+        return jax.grad(lambda xl: jnp.sum(w * _gather_keep_local_grad(xl, ("data",))))(x_local)
+
+    spec = jax.sharding.PartitionSpec("data")
+    grads = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+    np.testing.assert_allclose(np.asarray(grads), np.asarray(w), rtol=1e-6)  # not 8x, not the full sum
 
 
 def np_next_token(logits, tokens, mask, reduction, sub):
