@@ -264,9 +264,11 @@ def main(argv=None) -> dict:
         init_params = nnx.state(model, nnx.Param)
         tokenizer = load_tokenizer(recipe.init.hf_dir)
     else:
-        texts = [a["text"] for arts, _ in train_sets for a in arts] + [q["question"] for _, qs in train_sets
-                                                                        for q in qs]
-        texts += [COMPACT_SYSTEM, COMPACT_LAST, block_rag.RAG_SYSTEM, block_rag.RAG_LAST, block_rag.RAG_PASSAGE]
+        # Unlabelled text only: all article texts (evaluation universe included, so its new names are not
+        # split into bytes), training questions, and the template strings.
+        texts = [a["text"] for arts, _ in train_sets + [(eval_articles, ())] for a in arts]
+        texts += [q["question"] for _, qs in train_sets for q in qs]
+        texts += [COMPACT_SYSTEM, COMPACT_LAST, block_rag.RAG_SYSTEM, block_rag.RAG_LAST, block_rag.RAG_PASSAGE] * 50
         tokenizer = train_bpe(texts, d.vocab_size, special_tokens=SPECIAL_TOKENS)
         recipe = dataclasses.replace(recipe, model=recipe.model.replace(vocab_size=max(recipe.model.vocab_size,
                                                                                        tokenizer.get_vocab_size())))

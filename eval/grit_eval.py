@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rag_jax import config as config_lib  # noqa: E402
 from rag_jax import sharding  # noqa: E402
-from rag_jax.data.grit import GritDataConfig, grit_batches  # noqa: E402
+from rag_jax.data.grit import GritDataConfig, grit_batches, tokenize_generative_record  # noqa: E402
 from rag_jax.data.tokenizer import train_bpe  # noqa: E402
 from rag_jax.model import ModelConfig  # noqa: E402
 from rag_jax.model.embedding import GritEmbedder  # noqa: E402
@@ -156,6 +156,19 @@ def build_data(cfg: GritRunConfig, rows: list[dict]):
     return emb, gen, test, test_gen, corpus, gold_ids
 
 
+def fits(records: list[dict], tokenizer, cfg: GritRunConfig) -> list[dict]:
+    """The generative records whose answer fits ``generative_max_len`` (the rest are dropped, as the
+    reference drops samples whose prefix fills the max length)."""
+    kept = []
+    for r in records:
+        try:
+            tokenize_generative_record(r, tokenizer, cfg.data.generative_max_len)
+            kept.append(r)
+        except ValueError:
+            pass
+    return kept
+
+
 def train_tokenizer(cfg: GritRunConfig, rows: list[dict]):
     texts = [r["question"] for r in rows] + [r["passage"] for r in rows] + [a for r in rows for a in r["answers"]]
     texts += [f"<|user|>\n{cfg.instruction}\n<|embed|>\n<|assistant|>\n"] * 50
@@ -227,8 +240,10 @@ def main(argv=None):
     rows = load_nq()
     emb, gen, test, test_gen, corpus, gold = build_data(cfg, rows)
     tokenizer = train_tokenizer(cfg, rows)
-    print(f"NQ: {len(emb)} train triples / pairs, {len(test)} held-out questions, corpus {len(corpus)} passages; "
-          f"{cfg.steps} steps; backend {jax.default_backend()} x{jax.device_count()}", flush=True)
+    gen, test_gen = fits(gen, tokenizer, cfg), fits(test_gen, tokenizer, cfg)
+    print(f"NQ: {len(emb)} train triples, {len(gen)} train pairs, {len(test)} held-out questions "
+          f"({len(test_gen)} pairs), corpus {len(corpus)} passages; {cfg.steps} steps; backend "
+          f"{jax.default_backend()} x{jax.device_count()}", flush=True)
     questions = [r["question"] for r in test]
     results = {}
     for mode in modes:

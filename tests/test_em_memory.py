@@ -81,33 +81,14 @@ def test_event_index_exact_search_against_numpy():
         index.add(vectors[:2], 10)
 
 
-def test_event_index_auto_switches_backend_and_keeps_ids():
-    built = []
-
-    class Recording:
-        def __init__(self, kind, dim):
-            from rag_jax.retrieval.exact import ExactIndex
-            self.inner, self.kind = ExactIndex(dim), kind
-            built.append(kind)
-
-        def add(self, vectors, ids):
-            self.inner.add(vectors, ids)
-
-        def search(self, queries, k):
-            return self.inner.search(queries, k)
-
-        @property
-        def store(self):
-            return self.inner.store
-
+def test_event_index_scann_matches_exact():
     rng = np.random.default_rng(2)
-    vectors = rng.normal(size=(40, 8)).astype(np.float32)
-    index = EventIndex(8, "auto", scann_min_events=25, index_factory=Recording)
-    for i in range(0, 40, 10):
-        index.add(vectors[i:i + 10], i)
-    assert built == ["exact", "scann"] and index.backend == "scann"
-    q = rng.normal(size=8).astype(np.float32)
-    np.testing.assert_array_equal(index.search(q, 5), np.argsort(-(vectors @ q))[:5])
+    vectors = rng.normal(size=(300, 8)).astype(np.float32)
+    index = EventIndex(8, "scann")
+    for i in range(0, 300, 60):          # grows chunk by chunk, as during a stream
+        index.add(vectors[i:i + 60], i)
+        q = rng.normal(size=8).astype(np.float32)
+        np.testing.assert_array_equal(index.search(q, 5), np.argsort(-(vectors[:i + 60] @ q))[:5])
 
 
 def _store_with_events(sizes, layers=2, kv_heads=2, d=4, seed=0):

@@ -9,7 +9,7 @@ from flax import nnx
 
 from rag_jax.memory import EMLLM, EMLLMConfig
 from rag_jax.memory.streaming import _joint_attention_and_local_mass
-from rag_jax.model import ModelConfig, Transformer, apply_rope, attend, attend_joint, rope_inv_freq
+from rag_jax.model import ModelConfig, Transformer, attend, attend_joint, rope_inv_freq
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "train" / "configs"
 

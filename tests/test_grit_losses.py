@@ -96,6 +96,7 @@ def test_gathered_negatives_carry_gradient_only_through_the_local_slice():
         return jax.grad(lambda xl: jnp.sum(w * _gather_keep_local_grad(xl, ("data",))))(x_local)
 
     spec = jax.sharding.PartitionSpec("data")
+    x = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
     grads = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec))(x)
     np.testing.assert_allclose(np.asarray(grads), np.asarray(w), rtol=1e-6)  # not 8x, not the full sum
 

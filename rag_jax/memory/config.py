@@ -16,7 +16,7 @@ import yaml
 SEGMENTATIONS = ("surprise", "uniform")
 REFINEMENTS = (None, "modularity", "conductance")
 POSITION_MODES = ("inf_llm", "contiguous")
-INDEX_KINDS = ("auto", "exact", "scann")
+INDEX_KINDS = ("scann", "exact")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,8 @@ class EMLLMConfig:
         reference's 0.3; >= 1: a number of tokens).
       positions: ``"inf_llm"`` (memory keys unrotated, query at distance ``n_local - 1``) or
         ``"contiguous"`` (memory re-encoded at contiguous positions before the local window).
-      index: event lookup: ``"exact"``, ``"scann"`` or ``"auto"`` (exact below ``scann_min_events``).
-      scann_min_events: store size (events per layer) from which ``"auto"`` uses ScaNN.
+      index: event lookup through ``rag_jax.retrieval``: ``"scann"`` (``ScannIndex``, parameters by store size:
+        exact brute-force scoring below 20K events, quantized search above) or ``"exact"`` (``ExactIndex``).
       max_cached_events: device cache slots per layer (each ``max_block_size`` tokens); ``None`` sizes it
         to hold the largest retrieval.
       memory: ``False`` turns memory off (no init tokens, events or retrieval): the sliding-window baseline.
@@ -63,14 +63,12 @@ class EMLLMConfig:
     contiguity: bool = False
     contiguity_ratio: float = 0.3
     positions: str = "inf_llm"
-    index: str = "auto"
-    scann_min_events: int = 20000
+    index: str = "scann"
     max_cached_events: int | None = None
     memory: bool = True
 
     def __post_init__(self):
-        for name in ("n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
-                     "scann_min_events"):
+        for name in ("n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EMLLMConfig.{name}={value!r} must be a positive integer (tokens)")
@@ -98,7 +96,8 @@ class EMLLMConfig:
             raise ValueError(f"positions={self.positions!r}; valid: {POSITION_MODES}")
         if self.index not in INDEX_KINDS:
             raise ValueError(f"index={self.index!r}; valid: {INDEX_KINDS}")
-        if not (0 < self.contiguity_ratio < 1 or (self.contiguity_ratio >= 1 and float(self.contiguity_ratio).is_integer())):
+        ratio = self.contiguity_ratio
+        if not (0 < ratio < 1 or (ratio >= 1 and float(ratio).is_integer())):
             raise ValueError(f"contiguity_ratio={self.contiguity_ratio!r} must be a fraction in (0, 1) or a whole "
                              "number of tokens >= 1")
         if self.max_cached_events is not None and self.max_cached_events < self.required_cached_events:

@@ -67,7 +67,7 @@ class EventStore:
         self.sizes: list[int] = []
         self._k: list[np.ndarray] = []
         self._v: list[np.ndarray] = []
-        self.indexes = [EventIndex(repr_dim, cfg.index, cfg.scann_min_events, index_factory)
+        self.indexes = [EventIndex(repr_dim, cfg.index, index_factory)
                         for _ in range(num_layers)]
 
     def __len__(self) -> int:

@@ -1,10 +1,10 @@
 """Growing inner-product index of event representative vectors (one per layer) over ``rag_jax.retrieval``.
 
 EM-LLM ranks a layer's events by the inner product of the chunk's mean query with each event's representative
-vector (reference ``VectorTensor.sort_by_similarity``, exact). The vectors go into the retrieval ``Index``
-interface: ``ExactIndex`` on the host CPU device for small stores (the reference keeps them on GPU, then offloads
-them to CPU past 50K tokens; host keeps device memory flat), ``ScannIndex`` once a layer holds
-``scann_min_events`` events (``index="auto"``) or always (``index="scann"``).
+vector (reference ``VectorTensor.sort_by_similarity``: exact). The vectors live on the host (the reference moves
+them to CPU past 50K tokens; host keeps device memory flat) in an ``Index``: ``ScannIndex`` by default, whose
+size-based parameters score exactly (brute force) below 20K events and switch to quantized search above, or
+``ExactIndex`` (JAX on the host CPU device) for validation.
 """
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import numpy as np
 
 
 def make_index(kind: str, dim: int):
-    """A ``rag_jax.retrieval`` index of ``kind`` (``"exact"`` on the host CPU device, or ``"scann"``)."""
-    if kind == "exact":
-        from rag_jax.retrieval.exact import ExactIndex
-        return ExactIndex(dim, devices=jax.devices("cpu")[:1])
+    """A ``rag_jax.retrieval`` index: ``"scann"`` (``ScannIndex``) or ``"exact"`` (``ExactIndex`` on the CPU)."""
     if kind == "scann":
         from rag_jax.retrieval.scann_index import ScannIndex
         return ScannIndex(dim)
-    raise ValueError(f"index kind={kind!r}; valid: 'exact', 'scann'")
+    if kind == "exact":
+        from rag_jax.retrieval.exact import ExactIndex
+        return ExactIndex(dim, devices=jax.devices("cpu")[:1])
+    raise ValueError(f"index kind={kind!r}; valid: 'scann', 'exact'")
 
 
 class EventIndex:
@@ -30,16 +30,13 @@ class EventIndex:
 
     Args:
       dim: vector size (``num_heads * head_dim``).
-      kind: ``"exact"``, ``"scann"`` or ``"auto"`` (exact, switching to ScaNN at ``scann_min_events``).
+      kind: ``"scann"`` or ``"exact"``.
       index_factory: ``(kind, dim) -> Index``; default ``make_index``.
     """
 
-    def __init__(self, dim: int, kind: str = "auto", scann_min_events: int = 20000,
-                 index_factory: Callable[[str, int], object] | None = None):
-        self.dim, self.kind, self.scann_min_events = dim, kind, scann_min_events
-        self._factory = index_factory or make_index
-        self.backend = "scann" if kind == "scann" else "exact"
-        self.index = self._factory(self.backend, dim)
+    def __init__(self, dim: int, kind: str = "scann", index_factory: Callable[[str, int], object] | None = None):
+        self.dim, self.kind = dim, kind
+        self.index = (index_factory or make_index)(kind, dim)
         self._n = 0
 
     def __len__(self) -> int:
@@ -57,10 +54,6 @@ class EventIndex:
                              f"{first_id}, shape {vectors.shape}")
         self.index.add(vectors, np.arange(first_id, first_id + len(vectors)))
         self._n += len(vectors)
-        if self.kind == "auto" and self.backend == "exact" and self._n >= self.scann_min_events:
-            scann = self._factory("scann", self.dim)
-            scann.add(self.index.store.vectors, self.index.store.ids)
-            self.index, self.backend = scann, "scann"
 
     def search(self, query: np.ndarray, k: int) -> np.ndarray:
         """Ids (int64 ``[<=k]``) of the events with the largest ``query · vector``, best first."""

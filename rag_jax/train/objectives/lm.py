@@ -37,11 +37,11 @@ def lm_loss(model, batch: dict[str, jax.Array], rng: jax.Array | None = None, *,
       ValueError: a required batch key is missing, or mode is not "block"/"causal".
     """
     del rng
+    if mode not in ("block", "causal"):
+        raise ValueError(f"LM loss mode={mode!r}; valid: 'block' (packed) or 'causal'")
     missing = [k for k in LM_BATCH_KEYS if k not in batch]
     if missing:
         raise ValueError(f"LM batch is missing {missing}; it has {sorted(batch)} and needs {list(LM_BATCH_KEYS)}")
-    if mode not in ("block", "causal"):
-        raise ValueError(f"LM loss mode={mode!r}; valid: 'block' (packed) or 'causal'")
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
     logits = model(tokens, batch["positions"], segment_ids, mode=mode).logits[:, :-1]
     targets = tokens[:, 1:]
@@ -61,6 +61,10 @@ class LMLoss:
     """Hashable LM objective for the train step: ``LMLoss(mode="causal")(model, batch, rng)``."""
 
     mode: str = "block"
+
+    def __post_init__(self):
+        if self.mode not in ("block", "causal"):
+            raise ValueError(f"LMLoss mode={self.mode!r}; valid: 'block' (packed) or 'causal'")
 
     def __call__(self, model, batch, rng=None):
         return lm_loss(model, batch, rng, mode=self.mode)

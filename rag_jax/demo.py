@@ -1,0 +1,1059 @@
+"""``rag-jax demo``: the whole framework end to end on a fictional universe, in minutes on a laptop CPU.
+
+Pipeline (every stage is the project's own component; this module is only the glue):
+
+1. **Data**: a PhantomWiki-style universe (``rag_jax.data.phantom.generate_universe``) for training and
+   a second, held-out universe (seed + 1: new people, new facts) for evaluation; or, with
+   ``--data PATH``, one PhantomWiki-format folder (``rag_jax.data.loaders.load_phantomwiki``) whose
+   questions are split into train / held-out. The default task is 1-hop attribute questions
+   ("What is the hobby of Ada Lee?"), whose answer is a span of the person's article: a small model
+   can learn to read it from retrieved text in minutes, and cannot guess it without retrieval.
+2. **Tokenizer**: byte-level BPE trained on the training texts (``rag_jax.data.tokenizer.train_bpe``).
+3. **Training**, one jitted step (``rag_jax.train.step``) with the GRIT objective (GritLM, ICLR 2025,
+   Eq. 3: ``L = L_Rep + λ·L_Gen``), where
+   - ``L_Rep`` is GRIT's contrastive loss over (question, gold article, hard negative article) triples
+     in bidirectional embedding mode (``rag_jax.train.objectives.grit.GritLoss``, ``mode="embedding"``);
+   - ``L_Gen`` is the Block-Attention fine-tuning loss (Block-Attention, ICLR 2025, §2.2-2.4;
+     ``rag_jax.train.objectives.block.BlockLoss``) on RAG prompts ``[passage blocks..., question
+     block] -> answer``, each row trained in full and in block mode. Because this model starts from
+     random weights (the papers fine-tune pretrained LMs), passage and question tokens also carry a
+     next-token loss with weight ``train.lm_weight`` relative to answer tokens (the objective's
+     ``loss_mask`` is a per-token weight).
+4. **Retrieval**: the held-out articles are embedded with pretrained MiniLM
+   (``rag_jax.retrieval.embedders.BertEmbedder``) and with the trained model in GRIT embedding mode
+   (``rag_jax.model.embedding.GritEmbedder``), each into a ScaNN index
+   (``rag_jax.retrieval.scann_index.ScannIndex``); recall@k / hit@k over the gold evidence titles.
+5. **Answers** to held-out questions (greedy): without retrieval; with the top-k retrieved articles
+   under full attention; the same prompts under Block-Attention with passage KV reuse
+   (``rag_jax.inference.block_attention.BlockAttention`` over a ``KVStore``); and with the gold
+   article(s) forced into the top k (reader upper bound). Scores: PhantomWiki's set exact match and
+   set-F1 (``rag_jax.metrics.phantom_set_metrics``).
+6. **TTFT** of full prefill vs Block-Attention with warm passage caches, by prompt length.
+7. **Report**: ``metrics.json``, ``loss.png``, ``ttft.png``, ``train_metrics.jsonl`` (+ TensorBoard), and
+   the checkpoint (orbax train state + ``tokenizer.json`` + resolved ``config.yaml``, loadable with
+   :func:`load_checkpoint`), all under the output folder.
+
+Configuration: :class:`DemoConfig` (defaults = the CPU demo), a YAML file (``--config``,
+e.g. ``train/configs/demo_gpu.yaml``) and ``key=value`` overrides, validated by ``rag_jax.config``
+before anything runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rag_jax import config as config_lib
+from rag_jax.model.config import ModelConfig
+from rag_jax.retrieval.scann_index import ScannConfig
+from rag_jax.sharding import MeshConfig
+from rag_jax.train.optim import OptimizerConfig
+
+__all__ = ["DemoConfig", "load_demo_config", "run", "load_checkpoint", "prepare_data", "DemoData",
+           "rag_example", "question_block", "passage_text", "score_answer", "main"]
+
+QUESTION_FORMAT = "Question: {question}\nAnswer:"
+EOS, BOS, PAD = "<eos>", "<bos>", "<pad>"
+ATTRIBUTE_PREDICATES = ("dob", "job", "hobby", "gender")
+QUESTION_KINDS = ("auto", "attribute", "evidence", "all")
+RETRIEVERS = ("grit", "minilm")
+
+# Defaults of the sections whose dataclass defaults are not the demo's (a YAML/override that sets one
+# field of these sections keeps the other demo defaults; ``model.preset`` replaces the model defaults).
+DEMO_MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
+                  max_seq_len=1024)
+DEMO_OPTIMIZER = dict(learning_rate=3e-3, warmup_steps=20, weight_decay=0.0, min_lr_ratio=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration.
+
+@dataclasses.dataclass(frozen=True)
+class UniverseConfig:
+    """Generated universes (unused with ``--data``): training universe ``seed``, held-out ``seed + 1``.
+
+    Attributes:
+      num_people / num_questions: training universe size (PhantomWiki generator arguments).
+      heldout_people / heldout_questions: held-out universe size.
+      max_hops: questions have 1..max_hops predicates.
+      seed: training universe seed.
+      friend_degree / max_family_size: PhantomWiki's mean friend count and family-tree size.
+    """
+
+    num_people: int = 300
+    num_questions: int = 2000
+    heldout_people: int = 100
+    heldout_questions: int = 800
+    max_hops: int = 1
+    seed: int = 0
+    friend_degree: float = 3.0
+    max_family_size: int = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """Which questions, and how many retrieved passages per prompt.
+
+    Attributes:
+      questions: ``attribute`` (1-hop "What is the <attribute> of <name>?"), ``evidence`` (every
+        answer is written in the gold articles, which fit in ``num_passages``), ``all``, or ``auto``
+        (attribute for generated universes, evidence with ``--data``).
+      max_hops: keep questions with at most this many hops.
+      num_passages: retrieved articles per prompt (k); each is one Block-Attention block.
+      heldout_fraction: with ``--data``, the fraction of (selected) questions held out for evaluation.
+      split_seed: seed of that split.
+    """
+
+    questions: str = "auto"
+    max_hops: int = 2
+    num_passages: int = 2
+    heldout_fraction: float = 0.25
+    split_seed: int = 0
+
+    def __post_init__(self):
+        if self.questions not in QUESTION_KINDS:
+            raise ValueError(f"task.questions={self.questions!r}; valid: {QUESTION_KINDS}")
+        if self.max_hops < 1 or self.num_passages < 1:
+            raise ValueError(f"task.max_hops={self.max_hops} and task.num_passages={self.num_passages} must be >= 1")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError(f"task.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """Attributes: vocab_size: BPE vocabulary (>= 260); the model's ``vocab_size`` is set from it."""
+
+    vocab_size: int = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoTrainConfig:
+    """Joint GRIT + Block-Attention training.
+
+    Attributes:
+      steps: optimizer steps.
+      rag_batch_size: RAG prompts per step (Block-Attention loss, both modes).
+      embedding_batch_size: GRIT queries per step (in-batch negatives + hard negatives).
+      group_size: GRIT passages per query (1 positive + group_size - 1 hard negatives).
+      seq_len: padded RAG row length in tokens; 0 = from the data (k passages of 90th-percentile length).
+      query_max_len / passage_max_len: GRIT token limits; passage 0 = from the data.
+      lm_weight: next-token loss weight of passage and question tokens (answer tokens weigh 1).
+      full_weight / block_weight: Block-Attention loss weights of the full and block passes.
+      gen_weight: λ_Gen of GRIT Eq. 3 (weight of the Block-Attention loss against L_Rep).
+      grit_temperature: InfoNCE temperature (GritLM: 0.02; 0.05 trains more stably from scratch).
+      grit_instruction: query instruction in GRIT embedding mode (documents get none).
+      precision: ``fp32`` | ``bf16`` | ``bf16_pure`` (``rag_jax.train.step.apply_precision``).
+      seed: init, data order and distractor sampling.
+      devices: devices of the training mesh; 0 = 1 on CPU (fake CPU devices do not add compute),
+        all devices on GPU/TPU.
+      log_every: steps between loss-curve points.
+    """
+
+    steps: int = 200
+    rag_batch_size: int = 8
+    embedding_batch_size: int = 8
+    group_size: int = 2
+    seq_len: int = 0
+    query_max_len: int = 40
+    passage_max_len: int = 0
+    lm_weight: float = 0.1
+    full_weight: float = 1.0
+    block_weight: float = 1.0
+    gen_weight: float = 1.0
+    grit_temperature: float = 0.05
+    grit_instruction: str = "Find the article that answers the question"
+    precision: str = "fp32"
+    seed: int = 0
+    devices: int = 0
+    log_every: int = 1
+
+    def __post_init__(self):
+        for name in ("steps", "rag_batch_size", "embedding_batch_size", "group_size", "query_max_len", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+        for name in ("seq_len", "passage_max_len", "devices"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0 (0 = automatic)")
+        for name in ("lm_weight", "full_weight", "block_weight", "gen_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalConfig:
+    """Attributes:
+      retriever: the index that feeds the answering prompts: ``grit`` (the trained model) or ``minilm``.
+      ks: cut-offs of the reported recall@k / hit@k.
+      scann: ScaNN index parameters (``auto`` picks brute force below 20K articles).
+    """
+
+    retriever: str = "minilm"
+    ks: tuple[int, ...] = (1, 2, 5, 10)
+    scann: ScannConfig = dataclasses.field(default_factory=ScannConfig)
+
+    def __post_init__(self):
+        if self.retriever not in RETRIEVERS:
+            raise ValueError(f"retrieval.retriever={self.retriever!r}; valid: {RETRIEVERS}")
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"retrieval.ks={self.ks!r} must be a non-empty list of ints >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Attributes:
+      max_questions: held-out questions answered (the first ones of the held-out set).
+      max_new_tokens: cap on generated answer tokens (the longest training answer + 2 is used below it).
+      batch_size: prompts per generation call.
+      ttft_passages: passages per prompt for the TTFT curve (sizes that exceed max_seq_len are skipped).
+      ttft_repeats: timed runs per point (median reported, after one warm-up run).
+    """
+
+    max_questions: int = 100
+    max_new_tokens: int = 32
+    batch_size: int = 128
+    ttft_passages: tuple[int, ...] = (1, 2, 4, 6)
+    ttft_repeats: int = 5
+
+    def __post_init__(self):
+        for name in ("max_questions", "max_new_tokens", "batch_size", "ttft_repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 1")
+        if any(n < 1 for n in self.ttft_passages):
+            raise ValueError(f"eval.ttft_passages={self.ttft_passages!r} must be ints >= 1 (may be empty)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """The whole demo (sections above; ``model`` is a ``ModelConfig`` whose ``vocab_size`` is replaced
+    by the trained tokenizer's, ``optimizer`` an ``OptimizerConfig``, ``mesh`` a ``MeshConfig``)."""
+
+    universe: UniverseConfig = dataclasses.field(default_factory=UniverseConfig)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEMO_MODEL))
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig(**DEMO_OPTIMIZER))
+    train: DemoTrainConfig = dataclasses.field(default_factory=DemoTrainConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    retrieval: RetrievalConfig = dataclasses.field(default_factory=RetrievalConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_demo_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> DemoConfig:
+    """Demo defaults <- YAML file <- ``key=value`` overrides (``rag_jax.config`` rules).
+
+    Raises:
+      rag_jax.config.ConfigError (a ValueError): missing/invalid YAML, unknown key (with the closest
+        valid one), wrong type, key set twice, or a section's own validation error.
+    """
+    data = config_lib.load_yaml(path) if path is not None else {}
+    nested, keys = config_lib.parse_overrides(list(overrides))
+    user = _merge(data, nested)
+    defaults: dict[str, Any] = {"optimizer": dict(DEMO_OPTIMIZER)}
+    model_section = user.get("model")
+    if not (isinstance(model_section, dict) and "preset" in model_section):
+        defaults["model"] = dict(DEMO_MODEL)
+    return config_lib.from_dict(DemoConfig, _merge(defaults, user), _from_string=keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data.
+
+@dataclasses.dataclass
+class DemoData:
+    """Articles (``{"title", "article"}``) and questions (``{"id", "question", "answer": [str], "hops",
+    "titles": [str]}``) of the training and the held-out side; with ``--data`` both sides share articles."""
+
+    source: str
+    train_articles: list[dict]
+    eval_articles: list[dict]
+    train_questions: list[dict]
+    eval_questions: list[dict]
+    question_kind: str
+
+
+def _is_attribute_question(q: dict) -> bool:
+    """1-hop ``<attribute>("<name>", Y)``: the answer is the value written in that person's article."""
+    query = (q.get("prolog") or {}).get("query") or []
+    return len(query) == 1 and re.match(r'^\s*(%s)\(\s*"' % "|".join(ATTRIBUTE_PREDICATES), query[0]) is not None
+
+
+def _answer_in(answer: str, text: str) -> bool:
+    return re.search(r"(?<![\w-])" + re.escape(answer) + r"(?![\w-])", text) is not None
+
+
+def select_questions(questions: Sequence[dict], articles: Sequence[dict], kind: str, max_hops: int,
+                     num_passages: int) -> list[dict]:
+    """Questions of ``kind`` (``TaskConfig.questions``, resolved) with at most ``max_hops`` hops and known
+    gold titles that name existing articles; ``evidence`` also needs every answer written in the gold
+    articles and at most ``num_passages`` of them."""
+    text = {a["title"]: a["article"] for a in articles}
+    out = []
+    for q in questions:
+        titles = q.get("titles")
+        if not titles or q["hops"] > max_hops or any(t not in text for t in titles):
+            continue
+        if kind == "attribute" and not _is_attribute_question(q):
+            continue
+        if kind == "evidence":
+            gold = "\n".join(text[t] for t in titles)
+            if len(titles) > num_passages or not all(_answer_in(a, gold) for a in q["answer"]):
+                continue
+        out.append(q)
+    return out
+
+
+def _as_dicts(articles, questions) -> tuple[list[dict], list[dict]]:
+    arts = [{"title": a.title, "article": a.article} for a in articles]
+    qs = [{"id": q.id, "question": q.question, "answer": list(q.answer), "hops": q.hops,
+           "titles": list(q.titles) if q.titles is not None else None, "prolog": q.prolog} for q in questions]
+    return arts, qs
+
+
+def prepare_data(cfg: DemoConfig, data_path: str | os.PathLike | None = None) -> DemoData:
+    """Generate (or load) the universe(s) and select and split the questions (module docstring, stage 1).
+
+    Raises:
+      FileNotFoundError: ``data_path`` (or one of its JSON files) does not exist.
+      ValueError: a malformed dataset file (names the file, record and field), or too few questions
+        of the selected kind for training and evaluation.
+    """
+    task = cfg.task
+    if data_path is None:
+        from rag_jax.data.phantom import generate_universe
+        u = cfg.universe
+        kind = "attribute" if task.questions == "auto" else task.questions
+        common = dict(max_hops=u.max_hops, friend_degree=u.friend_degree, max_family_size=u.max_family_size)
+        train_u = generate_universe(u.num_people, u.seed, num_questions=u.num_questions, **common)
+        eval_u = generate_universe(u.heldout_people, u.seed + 1, num_questions=u.heldout_questions, **common)
+        train_articles = [{"title": a["title"], "article": a["article"]} for a in train_u.articles]
+        eval_articles = [{"title": a["title"], "article": a["article"]} for a in eval_u.articles]
+        train_q = select_questions(train_u.questions, train_articles, kind, task.max_hops, task.num_passages)
+        eval_q = select_questions(eval_u.questions, eval_articles, kind, task.max_hops, task.num_passages)
+        source = (f"generated universes: train seed {u.seed} ({u.num_people} people), "
+                  f"held-out seed {u.seed + 1} ({u.heldout_people} people)")
+    else:
+        from rag_jax.data.loaders import load_phantomwiki
+        kind = "evidence" if task.questions == "auto" else task.questions
+        data = load_phantomwiki(data_path)
+        articles, questions = _as_dicts(data.articles, data.questions)
+        selected = select_questions(questions, articles, kind, task.max_hops, task.num_passages)
+        random.Random(task.split_seed).shuffle(selected)
+        n_eval = max(1, round(len(selected) * task.heldout_fraction)) if selected else 0
+        eval_q, train_q = selected[:n_eval], selected[n_eval:]
+        train_articles = eval_articles = articles
+        source = f"PhantomWiki folder {data_path} ({len(articles)} articles, {len(questions)} questions)"
+    if len(train_q) < 2 or not eval_q:
+        raise ValueError(f"only {len(train_q)} training and {len(eval_q)} held-out questions of kind {kind!r} with "
+                         f"<= {task.max_hops} hops (and <= task.num_passages={task.num_passages} gold articles); "
+                         "set task.questions=all, raise task.max_hops or generate more questions")
+    return DemoData(source, train_articles, eval_articles, train_q, eval_q, kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts.
+
+def passage_text(title: str, text: str) -> str:
+    """A passage as the demo's prompt holds it: PhantomWiki articles already start with ``# Title``."""
+    return text if text.startswith("# ") else f"# {title}\n\n{text}\n"
+
+
+def question_block(question: str) -> str:
+    return QUESTION_FORMAT.format(question=question)
+
+
+def rag_example(tokenizer, question: str, passages: Sequence[str], answer: str | None = None):
+    """A ``BlockExample``: one block per passage, the question block last, response ``" " + answer + <eos>``
+    (``rag_jax.data.block_rag.build_rag_example`` with the demo's minimal template; no system block)."""
+    from rag_jax.data.block_rag import build_rag_example
+    return build_rag_example(tokenizer, question, [{"title": "", "text": p} for p in passages],
+                             response=" " + answer if answer else "", system="", passage_format="{text}",
+                             last_format=QUESTION_FORMAT, response_suffix=EOS)
+
+
+def answer_text(answers: Sequence[str]) -> str:
+    """Answer set -> the response string (PhantomWiki's comma-separated form)."""
+    return ", ".join(answers)
+
+
+def score_answer(prediction: str, golds: Sequence[str], *, golds_are_set: bool = True) -> dict[str, float]:
+    """EM / F1 / best-subspan EM (SQuAD-normalized, ``rag_jax.metrics``) and PhantomWiki set EM / set-F1.
+
+    ``golds_are_set``: PhantomWiki answer sets (SQuAD metrics against the comma-joined set; set metrics
+    against the set) or alternatives as in NQ (every metric = the best over the alternatives).
+    """
+    from rag_jax import metrics
+    if golds_are_set:
+        joined = answer_text(golds)
+        s = metrics.phantom_set_metrics(prediction, list(golds))
+        return {"em": metrics.exact_match(prediction, joined), "f1": metrics.f1_score(prediction, joined),
+                "subspan_em": metrics.best_subspan_em(prediction, joined), "set_em": s["em"], "set_f1": s["f1"]}
+    sets = [metrics.phantom_set_metrics(prediction, [g]) for g in golds]
+    return {"em": metrics.exact_match(prediction, golds), "f1": metrics.f1_score(prediction, golds),
+            "subspan_em": metrics.best_subspan_em(prediction, golds),
+            "set_em": max(s["em"] for s in sets), "set_f1": max(s["f1"] for s in sets)}
+
+
+def _mean_scores(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} if rows else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training.
+
+@dataclasses.dataclass(frozen=True)
+class GritBlockLoss:
+    """GRIT Eq. 3 with the Block-Attention loss as ``L_Gen``: ``L_Rep + gen_weight · L_Block`` (module
+    docstring, stage 3). Hashable (a static argument of the train step)."""
+
+    grit: Any  # rag_jax.train.objectives.grit.GritLoss (mode="embedding")
+    block: Any  # rag_jax.train.objectives.block.BlockLoss
+    gen_weight: float = 1.0
+
+    def __call__(self, model, batch, rng=None):
+        from rag_jax.train.objectives.block import BLOCK_BATCH_KEYS
+        from rag_jax.train.objectives.grit import EMBEDDING_KEYS
+        loss_rep, rep = self.grit(model, {k: batch[k] for k in EMBEDDING_KEYS}, rng)
+        loss_gen, gen = self.block(model, {k: batch[k] for k in BLOCK_BATCH_KEYS}, rng)
+        loss = loss_rep + self.gen_weight * loss_gen
+        return loss, {"loss": loss, "loss_rep": loss_rep, "rep_accuracy": rep["rep_accuracy"],
+                      "loss_full": gen["loss_full"], "loss_block": gen["loss_block"], "gen_accuracy": gen["accuracy"]}
+
+
+def _hard_negatives(articles: Sequence[dict]) -> dict[str, list[int]]:
+    """Per title: indices of other articles that mention it (family, friends): the passages a
+    retriever confuses with the gold one."""
+    out: dict[str, list[int]] = {a["title"]: [] for a in articles}
+    for i, a in enumerate(articles):
+        for title in out:
+            if title != a["title"] and title in a["article"]:
+                out[title].append(i)
+    return out
+
+
+class _TrainingData:
+    """Tokenized training set and the two step-indexed grain streams (GRIT triples, RAG block rows)."""
+
+    def __init__(self, cfg: DemoConfig, data: DemoData, tokenizer, fmt):
+        import grain
+
+        from rag_jax.data.block_rag import collate, encode
+        from rag_jax.data.grit import GritDataConfig, embedding_dataset
+
+        tc, k = cfg.train, cfg.task.num_passages
+        arts = data.train_articles
+        self.passages = [passage_text(a["title"], a["article"]) for a in arts]
+        lengths = np.asarray([len(encode(tokenizer, p)) for p in self.passages])
+        index = {a["title"]: i for i, a in enumerate(arts)}
+        negatives = _hard_negatives(arts)
+        q_len = max(len(encode(tokenizer, question_block(q["question"]))) for q in data.train_questions)
+        a_len = max(len(encode(tokenizer, " " + answer_text(q["answer"]) + EOS)) for q in data.train_questions)
+        self.answer_tokens = a_len
+        p90 = int(np.percentile(lengths, 90))
+        self.seq_len = tc.seq_len or -(-(k * p90 + q_len + a_len) // 32) * 32
+        self.passage_max_len = tc.passage_max_len or -(-(p90 + 16) // 32) * 32
+        budget = self.seq_len - q_len - a_len
+        self.questions = [q for q in data.train_questions if sum(lengths[index[t]] for t in q["titles"][:k]) <= budget]
+        if len(self.questions) < max(2, tc.embedding_batch_size):
+            raise ValueError(f"only {len(self.questions)} training questions fit train.seq_len={self.seq_len} tokens "
+                             f"with their gold articles; need >= {max(2, tc.embedding_batch_size)} "
+                             "(raise train.seq_len or lower train.embedding_batch_size)")
+        self.dropped = len(data.train_questions) - len(self.questions)
+        lm_weight = tc.lm_weight
+
+        def rag_row(q: dict, rng: np.random.Generator):
+            gold = [index[t] for t in q["titles"][:k]]
+            room = budget - int(lengths[gold].sum())
+            pool = [i for i in negatives[q["titles"][0]] if i not in gold]
+            pool = list(rng.permutation(pool)) + list(rng.permutation(len(arts)))
+            chosen = list(gold)
+            for i in pool:
+                if len(chosen) == k:
+                    break
+                if i not in chosen and lengths[i] <= room:
+                    chosen.append(int(i))
+                    room -= int(lengths[i])
+            rng.shuffle(chosen)
+            return rag_example(tokenizer, q["question"], [self.passages[i] for i in chosen], answer_text(q["answer"]))
+
+        def rag_batch(examples):
+            batch = collate(examples, self.seq_len)
+            if lm_weight > 0:  # next-token loss on passage/question tokens too (module docstring, stage 3)
+                batch["loss_mask"] = np.where(batch["loss_mask"] > 0, 1.0,
+                                              np.where(batch["segment_ids"] > 0, lm_weight, 0.0)).astype(np.float32)
+            return batch
+
+        self.rag = (grain.MapDataset.source(self.questions).shuffle(seed=tc.seed).repeat(None)
+                    .random_map(rag_row, seed=tc.seed)
+                    .batch(tc.rag_batch_size, drop_remainder=True, batch_fn=rag_batch))
+        records = []
+        for q in self.questions:
+            gold = q["titles"][0]
+            negs = [self.passages[i] for i in negatives[gold] if arts[i]["title"] not in q["titles"]]
+            if len(negs) < tc.group_size - 1:
+                rng = random.Random(hash(gold) % 2**32)
+                negs += [self.passages[i] for i in rng.sample(range(len(arts)), min(len(arts), 8))
+                         if arts[i]["title"] not in q["titles"]]
+            records.append({"query": [tc.grit_instruction, q["question"]], "pos": [self.passages[index[gold]]],
+                            "neg": negs})
+        gcfg = GritDataConfig(embedding_batch_size=tc.embedding_batch_size, group_size=tc.group_size,
+                              query_max_len=tc.query_max_len, passage_max_len=self.passage_max_len, seed=tc.seed)
+        self.grit = embedding_dataset(records, tokenizer, gcfg, fmt)
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        return {**self.grit[step], **self.rag[step]}
+
+
+def _mesh(cfg: DemoConfig):
+    import jax
+
+    from rag_jax import sharding
+    devices = jax.devices()
+    n = cfg.train.devices or (1 if devices[0].platform == "cpu" else len(devices))
+    if n > len(devices):
+        raise ValueError(f"train.devices={n} but only {len(devices)} devices are available")
+    return sharding.make_mesh(cfg.mesh, devices=devices[:n])
+
+
+def _train(cfg: DemoConfig, model_cfg: ModelConfig, td: _TrainingData, mesh, progress: bool, log_dir: Path):
+    """Run the joint objective; returns ``(graphdef, state, history rows, train seconds, compile seconds)``."""
+    import jax
+    from tqdm.auto import tqdm
+
+    from rag_jax import sharding
+    from rag_jax.train import metrics as metrics_lib
+    from rag_jax.train import optim
+    from rag_jax.train import step as step_lib
+    from rag_jax.train.objectives.block import BlockLoss
+    from rag_jax.train.objectives.grit import GritConfig, GritLoss
+
+    tc = cfg.train
+    for name, size in (("rag_batch_size", tc.rag_batch_size), ("embedding_batch_size", tc.embedding_batch_size)):
+        try:
+            sharding.check_global_batch(size, mesh)
+        except ValueError as e:
+            raise ValueError(f"train.{name}: {e}") from None
+    loss_fn = GritBlockLoss(GritLoss(GritConfig(mode="embedding", temperature=tc.grit_temperature)),
+                            BlockLoss(full_weight=tc.full_weight, block_weight=tc.block_weight), tc.gen_weight)
+    tx = optim.make_optimizer(cfg.optimizer, tc.steps)
+    schedule = optim.learning_rate_schedule(cfg.optimizer, tc.steps)
+    graphdef, state, shardings = step_lib.init_train_state(model_cfg, tx, mesh, seed=tc.seed)
+    train_step = step_lib.make_train_step(graphdef, tx, loss_fn, shardings, mesh, seed=tc.seed,
+                                          learning_rate_fn=schedule)
+
+    def device_batch(step):  # single-process: each array's leading (batch) axis over the data axes
+        return {k: jax.device_put(v, sharding.batch_sharding(mesh, v.ndim)) for k, v in td.batch(step).items()}
+
+    t0 = time.perf_counter()
+    batch = device_batch(0)
+    compiled = train_step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    writer = metrics_lib.MetricWriter(log_dir, jsonl=True, tensorboard=True)
+    history = []
+    t0 = time.perf_counter()
+    with tqdm(total=tc.steps, desc="training (GRIT + Block-Attention)", unit="step", disable=not progress,
+              dynamic_ncols=True) as bar:
+        for step in range(1, tc.steps + 1):
+            state, m = compiled(state, batch)
+            if step < tc.steps:
+                batch = device_batch(step)  # host work overlaps the running step
+            if step % tc.log_every == 0 or step == tc.steps:
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                m["elapsed_s"] = time.perf_counter() - t0
+                history.append({"step": step, **m})
+                writer.write(step, m, prefix="train/")
+                bar.set_postfix(loss=f"{m['loss']:.3f}", rep_acc=f"{m['rep_accuracy']:.2f}",
+                                ans_acc=f"{m['gen_accuracy']:.2f}")
+            bar.update(1)
+    jax.block_until_ready(state)
+    writer.close()
+    return graphdef, state, history, time.perf_counter() - t0, compile_s
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint.
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _save_checkpoint(folder: Path, cfg: DemoConfig, state, tokenizer) -> Path:
+    """Orbax train state (``rag_jax.train.checkpoint``) + ``tokenizer.json`` + resolved ``config.yaml``,
+    written into a temporary folder next to ``folder`` and renamed into place (atomic)."""
+    import shutil
+
+    import jax
+    import yaml
+
+    from rag_jax.data.tokenizer import save_tokenizer
+    from rag_jax.train.checkpoint import CheckpointConfig, Checkpointer
+
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+    try:
+        step = int(jax.device_get(state.step))
+        ckpt = Checkpointer(CheckpointConfig(dir=str(tmp / "orbax"), save_every=max(step, 1), keep=1, async_save=False))
+        ckpt.save(step, state, force=True)
+        ckpt.close()
+        save_tokenizer(tokenizer, tmp / "tokenizer.json")
+        (tmp / "config.yaml").write_text(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+            os.replace(folder, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def load_checkpoint(path: str | os.PathLike):
+    """Load a demo checkpoint folder (``<out>/checkpoint``) on one device.
+
+    Returns:
+      ``(cfg: DemoConfig, graphdef, params, tokenizer)``; ``(graphdef, params)`` is the model for
+      ``BlockAttention`` / ``GritEmbedder`` / ``generate``, ``nnx.merge(graphdef, params)`` the module.
+
+    Raises:
+      FileNotFoundError: the folder, its ``config.yaml``, ``tokenizer.json`` or orbax steps are missing.
+      ValueError: an invalid ``config.yaml``.
+    """
+    import jax
+
+    from rag_jax import sharding
+    from rag_jax.data.tokenizer import load_tokenizer
+    from rag_jax.train import optim
+    from rag_jax.train import step as step_lib
+    from rag_jax.train.checkpoint import CheckpointConfig, Checkpointer, abstract_with_shardings
+
+    path = Path(path)
+    for name in ("config.yaml", "tokenizer.json", "orbax"):
+        if not (path / name).exists():
+            raise FileNotFoundError(f"{path / name} not found; pass the checkpoint folder a demo run wrote "
+                                    "(<out>/checkpoint, with config.yaml, tokenizer.json and orbax/)")
+    cfg = load_demo_config(path / "config.yaml")
+    tokenizer = load_tokenizer(path / "tokenizer.json")
+    model_cfg = step_lib.apply_precision(cfg.model, cfg.train.precision)
+    tx = optim.make_optimizer(cfg.optimizer, cfg.train.steps)
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+    graphdef, abstract, specs = step_lib.abstract_train_state(model_cfg, tx, seed=cfg.train.seed)
+    shardings = step_lib.train_state_shardings(abstract, specs, tx, mesh)
+    ckpt = Checkpointer(CheckpointConfig(dir=str(path / "orbax"), async_save=False))
+    try:
+        restored = ckpt.restore_latest(abstract_with_shardings(abstract, shardings))
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"{path / 'orbax'} holds no checkpoint step")
+    return cfg, graphdef, restored[1].params, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Retrieval, answering, TTFT.
+
+def grit_format():
+    """GRIT prompt strings with this project's BPE special tokens (``<bos>``/``<eos>``)."""
+    from rag_jax.model.embedding import GritFormat
+    return GritFormat(bos=BOS, eos=EOS)
+
+
+def retrieval_eval(name: str, embed_docs, embed_queries, articles: Sequence[dict], questions: Sequence[dict],
+                   ks: Sequence[int], scann: ScannConfig, depth: int) -> tuple[list[list[str]], dict]:
+    """Embed articles into a ScaNN index, search every question, score against its gold ``titles``.
+
+    Args:
+      embed_docs / embed_queries: ``texts -> float32 [n, dim]`` unit-norm (the Embedder protocol).
+      depth: results kept per question (>= max(ks)).
+
+    Returns:
+      ``(ranked titles per question, {"recall@k", "hit@k", "by_hops": {hops: {...}}, "seconds",
+      "num_articles"})``.
+    """
+    from rag_jax import metrics
+    from rag_jax.retrieval.scann_index import ScannIndex
+
+    t0 = time.perf_counter()
+    docs = embed_docs([passage_text(a["title"], a["article"]) for a in articles])
+    index = ScannIndex(docs.shape[1], scann)
+    index.add(docs, np.arange(len(docs)))
+    index.build()
+    _, ids = index.search(embed_queries([q["question"] for q in questions]), max(depth, *ks))
+    ranked = [[articles[i]["title"] for i in row if i >= 0] for row in ids]
+
+    def scores(sel):
+        r, g = [ranked[i] for i in sel], [questions[i]["titles"] for i in sel]
+        out = {}
+        for k in ks:
+            out[f"recall@{k}"] = metrics.recall_at_k(r, g, k)
+            out[f"hit@{k}"] = metrics.hit_at_k(r, g, k)
+        out["num_questions"] = len(sel)
+        return out
+
+    result = scores(range(len(questions)))
+    result["by_hops"] = {h: scores([i for i, q in enumerate(questions) if q["hops"] == h])
+                         for h in sorted({q["hops"] for q in questions})}
+    result.update(seconds=time.perf_counter() - t0, num_articles=len(articles), retriever=name,
+                  index=dict(index.params))
+    return ranked, result
+
+
+def generate_answers(block_attention, tokenizer, prompts: Sequence[Sequence[Sequence[int]]], *, mode: str,
+                     max_new_tokens: int, batch_size: int) -> list[str]:
+    """Greedy answers (text up to ``<eos>``) for block prompts via ``BlockAttention.generate``."""
+    eos = tokenizer.token_to_id(EOS)
+    rows = []
+    for i in range(0, len(prompts), batch_size):
+        out = block_attention.generate(prompts[i:i + batch_size], max_new_tokens=max_new_tokens, mode=mode,
+                                       eos_id=eos)
+        rows.extend(np.asarray(out).tolist())
+    return [tokenizer.decode(r[:r.index(eos)] if eos in r else r, skip_special_tokens=True).strip() for r in rows]
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up: compilation, and for block mode the passage caches
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def ttft_curve(block_attention, tokenizer, passages: Sequence[str], question: str, sizes: Sequence[int],
+               repeats: int, progress: bool = False) -> list[dict]:
+    """TTFT (ms, median) of one prompt with ``n`` passages for each ``n`` in ``sizes``: a full causal
+    prefill vs Block-Attention prefill of the question block over warm passage caches (both up to the
+    first token's logits). Sizes whose prompt exceeds ``max_seq_len`` (or the passages given) are skipped."""
+    import jax
+    from tqdm.auto import tqdm
+
+    from rag_jax.data.block_rag import encode
+
+    last = encode(tokenizer, question_block(question))
+    rows = []
+    for n in tqdm(sizes, desc="TTFT full vs cached", unit="size", disable=not progress):
+        if n > len(passages):
+            continue
+        blocks = [encode(tokenizer, p) for p in passages[:n]] + [last]
+        total = sum(len(b) for b in blocks)
+        if total + 1 > block_attention.config.max_seq_len:
+            continue
+        full = _median_ms(lambda: jax.block_until_ready(block_attention.prefill(blocks, mode="full").logits), repeats)
+        cached = _median_ms(lambda: jax.block_until_ready(block_attention.prefill(blocks, mode="block").logits),
+                            repeats)
+        rows.append({"passages": n, "prompt_tokens": total, "prefilled_tokens_cached": len(last),
+                     "full_ms": full, "cached_ms": cached, "speedup": full / cached})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Report.
+
+def _plots(history: list[dict], ttft: list[dict], out: Path) -> dict[str, str]:
+    from matplotlib.figure import Figure  # no pyplot: no global backend state (works in notebooks too)
+
+    files = {}
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    steps = [h["step"] for h in history]
+    for key, label in (("loss", "total (L_Rep + λ·L_Gen)"), ("loss_rep", "GRIT L_Rep (contrastive)"),
+                       ("loss_full", "Block-Attention loss, full pass"), ("loss_block", "Block-Attention loss, block pass")):
+        ax.plot(steps, [h[key] for h in history], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title("rag-jax demo: training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    files["loss_plot"] = str(out / "loss.png")
+    if ttft:
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        x = [r["prompt_tokens"] for r in ttft]
+        ax.plot(x, [r["full_ms"] for r in ttft], "o-", label="full prefill")
+        ax.plot(x, [r["cached_ms"] for r in ttft], "o-", label="Block-Attention, cached passages")
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("time to first token (ms, median)")
+        ax.set_title("TTFT vs prompt length")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "ttft.png", dpi=110)
+        files["ttft_plot"] = str(out / "ttft.png")
+    return files
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)  # noqa: E731
+                               for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+CONDITION_LABELS = {
+    "no_retrieval": "no retrieval (question only)",
+    "retrieval_full": "retrieved top-{k}, full attention",
+    "retrieval_block": "retrieved top-{k}, Block-Attention (KV reuse)",
+    "oracle_block": "gold article(s) in top-{k}, Block-Attention",
+}
+
+
+def format_report(report: dict) -> str:
+    """The human-readable report printed at the end of a run."""
+    d, tr, qa = report["data"], report["train"], report["qa"]
+    k = qa["num_passages"]
+    ks = report["config"]["retrieval"]["ks"]
+    lines = ["", "=" * 78, "rag-jax demo report", "=" * 78,
+             f"data: {d['source']}",
+             f"task: {d['question_kind']} questions; {d['train_questions']} train / {d['eval_questions']} held-out "
+             f"({d['train_articles']} / {d['eval_articles']} articles)",
+             f"model: {report['model']['num_layers']} layers, hidden {report['model']['hidden_size']}, "
+             f"{report['model']['params'] / 1e6:.2f}M params, vocab {report['model']['vocab_size']}",
+             f"training: {tr['steps']} steps in {tr['seconds']:.0f} s (+{tr['compile_seconds']:.0f} s compile); final "
+             f"loss {tr['final']['loss']:.3f}, GRIT in-batch accuracy {tr['final']['rep_accuracy']:.2f}, "
+             f"answer-token accuracy {tr['final']['gen_accuracy']:.2f}", ""]
+    rows = [[r["retriever"], r["num_articles"], *[r[f"recall@{c}"] for c in ks]]
+            for r in report["retrieval"].values()]
+    lines += [f"retrieval over held-out articles (ScaNN), {qa and report['data']['eval_questions']} questions:",
+              _table(["embedder", "articles", *[f"recall@{c}" for c in ks]], rows), ""]
+    rows = [[CONDITION_LABELS[c].format(k=k), v["set_em"], v["set_f1"], v["f1"], v["seconds"]]
+            for c, v in qa["conditions"].items()]
+    lines += [f"answers to {qa['num_questions']} held-out questions (retriever: {qa['retriever']}; greedy):",
+              _table(["condition", "EM", "set-F1", "token-F1", "seconds"], rows)]
+    kv = qa.get("kv_store")
+    if kv:
+        lines.append(f"passage KV store: {kv['entries']} cached blocks ({kv['bytes'] / 2**20:.1f} MiB), "
+                     f"{kv['hits']} hits / {kv['misses']} misses")
+    if report["ttft"]:
+        rows = [[r["passages"], r["prompt_tokens"], r["full_ms"], r["cached_ms"], r["speedup"]] for r in report["ttft"]]
+        lines += ["", "time to first token (ms, median; cached = Block-Attention with warm passage KV):",
+                  _table(["passages", "tokens", "full ms", "cached ms", "speedup"], rows)]
+    if qa.get("examples"):
+        lines += ["", "examples (held-out):"]
+        for ex in qa["examples"]:
+            lines.append(f"  Q: {ex['question']}  gold: {answer_text(ex['gold'])}")
+            lines.append(f"     no retrieval: {ex['no_retrieval']!r}   with retrieval (block): {ex['retrieval_block']!r}")
+    lines += ["", "files: " + ", ".join(f"{k}={v}" for k, v in report["files"].items()),
+              f"total: {report['total_seconds']:.0f} s wall, {report['cpu_seconds']:.0f} s CPU "
+              f"(stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in report["timings"].items()) + ")", "=" * 78]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The job.
+
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` and check a file can be written there (before any compute).
+
+    Raises:
+      PermissionError: the folder cannot be created or written (the message says why).
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PermissionError(f"output directory {str(path)!r} is not writable ({e.strerror or e}); "
+                              "pass --out with a writable folder") from None
+    return path
+
+
+def _resolve_eval_passages(ranked: list[str], gold: Sequence[str], k: int) -> list[str]:
+    """Top-k retrieved titles with the gold titles forced in (replacing the lowest-ranked others)."""
+    gold = list(gold[:k])
+    return [t for t in ranked if t not in gold][:k - len(gold)] + gold
+
+
+def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir: str | os.PathLike = "runs/demo",
+        progress: bool = True, log=print) -> dict:
+    """Run the demo (module docstring) and return the report dict (also written to ``metrics.json``).
+
+    Raises:
+      PermissionError: ``out_dir`` is not writable. FileNotFoundError / ValueError: a missing or malformed
+      ``data_path``, too few questions, or a missing MiniLM package while ``retrieval.retriever=minilm``.
+      All are raised before any training.
+    """
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    out = check_output_dir(out_dir)
+    from rag_jax.retrieval.embedders import minilm_dir
+    try:
+        minilm_dir()
+        have_minilm = True
+    except FileNotFoundError:
+        if cfg.retrieval.retriever == "minilm":
+            raise
+        have_minilm = False
+    timings: dict[str, float] = {}
+
+    def stage(name, t0):
+        timings[name] = time.perf_counter() - t0
+        return time.perf_counter()
+
+    t = time.perf_counter()
+    log(f"[1/7] data: {'loading ' + str(data_path) if data_path else 'generating universes'}")
+    data = prepare_data(cfg, data_path)
+    t = stage("data", t)
+
+    import jax
+    from flax import nnx
+
+    from rag_jax.data.tokenizer import train_bpe
+    from rag_jax.inference.block_attention import BlockAttention
+    from rag_jax.inference.kv_store import KVStore
+    from rag_jax.model import count_params
+    from rag_jax.model.embedding import GritEmbedder
+    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+    from rag_jax.train import step as step_lib
+
+    log(f"[2/7] tokenizer: byte-level BPE, vocab {cfg.tokenizer.vocab_size}")
+    texts = ([a["article"] for a in data.train_articles] + [q["question"] for q in data.train_questions]
+             + [question_block("") + " " + answer_text(q["answer"]) for q in data.train_questions])
+    tokenizer = train_bpe(texts, cfg.tokenizer.vocab_size, special_tokens=(PAD, BOS, EOS, "<unk>"))
+    vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # a multiple of 64: friendlier matmul shapes
+    fmt = grit_format()
+    td = _TrainingData(cfg, data, tokenizer, fmt)
+    model_cfg = cfg.model.replace(vocab_size=vocab)
+    resolved = dataclasses.replace(cfg, model=model_cfg, train=dataclasses.replace(
+        cfg.train, seq_len=td.seq_len, passage_max_len=td.passage_max_len))
+    if td.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"train.seq_len={td.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; raise "
+                         "model.max_seq_len or lower task.num_passages")
+    t = stage("tokenizer", t)
+
+    mesh = _mesh(cfg)
+    params = count_params(model_cfg)
+    log(f"[3/7] training: {params / 1e6:.2f}M-param model, {cfg.train.steps} steps, GRIT (contrastive, "
+        f"{cfg.train.embedding_batch_size} queries x {cfg.train.group_size} passages) + Block-Attention "
+        f"({cfg.train.rag_batch_size} prompts x {td.seq_len} tokens, full + block passes) on {mesh.size} device(s)")
+    graphdef, state, history, train_s, compile_s = _train(
+        cfg, step_lib.apply_precision(model_cfg, cfg.train.precision), td, mesh, progress, out)
+    model = (graphdef, state.params)
+    t = stage("train", t)
+
+    log("[4/7] checkpoint (orbax)")
+    ckpt_dir = _save_checkpoint(out / "checkpoint", resolved, state, tokenizer)
+    t = stage("checkpoint", t)
+
+    log("[5/7] retrieval: embed held-out articles, ScaNN index, recall@k")
+    k = cfg.task.num_passages
+    depth = max(max(cfg.retrieval.ks), k + 1)
+    retrieval, ranked = {}, {}
+    if have_minilm:
+        minilm = BertEmbedder()
+        ranked["minilm"], retrieval["minilm"] = retrieval_eval(
+            "MiniLM-L6 (pretrained)", lambda x: embed_texts(minilm, x, desc="MiniLM articles", progress=progress),
+            minilm.embed, data.eval_articles, data.eval_questions, cfg.retrieval.ks, cfg.retrieval.scann, depth)
+    grit = GritEmbedder(model, tokenizer, max_length=td.passage_max_len, fmt=fmt)
+    ranked["grit"], retrieval["grit"] = retrieval_eval(
+        "GRIT (this model)", lambda x: embed_texts(grit, x, desc="GRIT articles", progress=progress),
+        lambda x: grit.embed(x, instruction=cfg.train.grit_instruction),
+        data.eval_articles, data.eval_questions, cfg.retrieval.ks, cfg.retrieval.scann, depth)
+    t = stage("retrieval", t)
+
+    log("[6/7] answering held-out questions: no retrieval / retrieval (full, block) / gold")
+    questions = data.eval_questions[:cfg.eval.max_questions]
+    qidx = list(range(len(questions)))
+    passages = {a["title"]: passage_text(a["title"], a["article"]) for a in data.eval_articles}
+    use = ranked[cfg.retrieval.retriever]
+    max_new = min(cfg.eval.max_new_tokens, td.answer_tokens + 2)
+    ba = BlockAttention(model, store=KVStore(max_bytes=1 << 30))
+    prompts = {
+        "no_retrieval": [rag_example(tokenizer, q["question"], []).blocks for q in questions],
+        "retrieval": [rag_example(tokenizer, q["question"], [passages[t] for t in use[i][:k]]).blocks
+                      for i, q in zip(qidx, questions)],
+        "oracle": [rag_example(tokenizer, q["question"], [passages[t] for t in
+                                                           _resolve_eval_passages(use[i], q["titles"], k)]).blocks
+                   for i, q in zip(qidx, questions)],
+    }
+    conditions, predictions = {}, {}
+    plan = [("no_retrieval", "no_retrieval", "full"), ("retrieval_full", "retrieval", "full"),
+            ("retrieval_block", "retrieval", "block"), ("oracle_block", "oracle", "block")]
+    from tqdm.auto import tqdm
+    for name, which, mode in tqdm(plan, desc="answering", unit="condition", disable=not progress):
+        t0 = time.perf_counter()
+        preds = generate_answers(ba, tokenizer, prompts[which], mode=mode, max_new_tokens=max_new,
+                                 batch_size=cfg.eval.batch_size)
+        scores = _mean_scores([score_answer(p, q["answer"]) for p, q in zip(preds, questions)])
+        conditions[name] = {**scores, "seconds": time.perf_counter() - t0, "mode": mode}
+        predictions[name] = preds
+    kv_store = {"entries": len(ba.store), "bytes": ba.store.nbytes, **ba.store.stats}
+    t = stage("answers", t)
+
+    log("[7/7] TTFT: full prefill vs cached passages")
+    q0 = questions[0]
+    ttft_passages = [passages[t] for t in use[0]] + [p for p in passages.values() if p not in use[0]]
+    ttft = ttft_curve(ba, tokenizer, ttft_passages, q0["question"], cfg.eval.ttft_passages, cfg.eval.ttft_repeats,
+                      progress)
+    t = stage("ttft", t)
+
+    files = {"metrics": str(out / "metrics.json"), "checkpoint": str(ckpt_dir),
+             "train_metrics": str(out / "metrics.jsonl"), **_plots(history, ttft, out)}
+    report = {
+        "config": config_lib.to_dict(resolved),
+        "data": {"source": data.source, "question_kind": data.question_kind,
+                 "train_questions": len(td.questions), "eval_questions": len(data.eval_questions),
+                 "train_articles": len(data.train_articles), "eval_articles": len(data.eval_articles),
+                 "train_questions_dropped_too_long": td.dropped},
+        "model": {"params": params, **{f: getattr(model_cfg, f) for f in ("num_layers", "hidden_size", "num_heads",
+                                                                          "num_kv_heads", "vocab_size")}},
+        "train": {"steps": cfg.train.steps, "seconds": train_s, "compile_seconds": compile_s,
+                  "seq_len": td.seq_len, "final": history[-1], "history": history},
+        "retrieval": retrieval,
+        "qa": {"num_questions": len(questions), "retriever": cfg.retrieval.retriever, "num_passages": k,
+               "max_new_tokens": max_new, "conditions": conditions, "kv_store": kv_store,
+               "examples": [{"question": q["question"], "gold": q["answer"],
+                             **{c: predictions[c][i] for c in predictions}} for i, q in enumerate(questions[:3])]},
+        "ttft": ttft,
+        "devices": f"{mesh.size} x {jax.devices()[0].device_kind}",
+        "files": files,
+        "timings": timings,
+    }
+    report["total_seconds"] = time.perf_counter() - wall0
+    report["cpu_seconds"] = time.process_time() - cpu0
+    _atomic_write(out / "metrics.json", json.dumps(report, indent=1, default=float))
+    log(format_report(report))
+    return report
+
+
+def run_cli(args) -> int:
+    """``rag-jax demo`` (arguments defined in ``rag_jax.cli``)."""
+    cfg = load_demo_config(args.config, args.overrides)
+    run(cfg, data_path=args.data, out_dir=args.out, progress=not args.no_progress)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rag_jax.demo ...`` = ``rag-jax demo ...``."""
+    import sys
+
+    from rag_jax.cli import main as cli_main
+    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
