@@ -111,12 +111,12 @@ def main(argv=None):
         rows.append((n, times))
         print(f"  {n} tokens: " + ", ".join(f"{m} {t:.0f} ms" for m, t in times.items()), flush=True)
 
-    print(f"\n| long text (tokens) | " + " | ".join(f"{m} (ms)" for m in modes) + " | "
-          + " | ".join(f"{m} change" for m in modes if m in BASELINE and BASELINE[m] in modes) + " |")
-    n_change = sum(1 for m in modes if m in BASELINE and BASELINE[m] in modes)
-    print("|---:|" + "---:|" * (len(modes) + n_change))
+    compared = [m for m in modes if m in BASELINE and BASELINE[m] in modes]
+    print("\n| long text (tokens) | " + " | ".join(f"{m} (ms)" for m in modes) + " | "
+          + " | ".join(f"{m} change" for m in compared) + " |")
+    print("|---:|" + "---:|" * (len(modes) + len(compared)))
     for n, t in rows:
-        changes = [f"{100 * (t[m] / t[BASELINE[m]] - 1):+.0f}%" for m in modes if m in BASELINE and BASELINE[m] in modes]
+        changes = [f"{100 * (t[m] / t[BASELINE[m]] - 1):+.0f}%" for m in compared]
         print(f"| {n} | " + " | ".join(f"{t[m]:.0f}" for m in modes) + " | " + " | ".join(changes) + " |")
     return rows
 

@@ -150,7 +150,8 @@ def bench(name: str, db: np.ndarray, queries: np.ndarray, args) -> list[dict]:
             (_, found), t = timed(lambda: ours.search(queries, k), 1)
             our_times.append(t)
         t_raw, t_ours = float(np.median(raw_times)), float(np.median(our_times))
-        desc = f"{params['mode']}, leaves {params['num_leaves']}/{params['leaves_to_search']}, reorder {params['reorder']}"
+        desc = (f"{params['mode']}, leaves {params['num_leaves']}/{params['leaves_to_search']}, "
+                f"reorder {params['reorder']}")
         rows.append({"method": f"raw scann ({label} params)", "build_s": raw_build, "search_s": t_raw,
                      "recall": recall_at(raw_found.astype(np.int64), truth), "params": desc})
         rows.append({"method": f"ScannIndex ({label})", "build_s": build, "search_s": t_ours,

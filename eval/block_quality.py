@@ -110,8 +110,11 @@ class ObjectiveSection:
 
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
+    """Attributes as in ``rag_jax.train.trainer.TrainConfig`` (same meaning, same train step)."""
+
     steps: int = 300
     global_batch_size: int = 16
+    grad_accum_steps: int = 1
     seed: int = 0
     precision: str = "fp32"
     remat_policy: str = "none"
@@ -208,7 +211,8 @@ def train_model(recipe: BlockRecipe, loss_fn: BlockLoss, examples, init_params, 
         params = jax.device_put(init_params, shardings.params)
         state = step_lib.TrainState(step=state.step, params=params,
                                     opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
-    train_step = step_lib.make_train_step(graphdef, tx, loss_fn, shardings, mesh, seed=tc.seed)
+    train_step = step_lib.make_train_step(graphdef, tx, loss_fn, shardings, mesh, seed=tc.seed,
+                                          accum_steps=tc.grad_accum_steps)
     order = np.random.default_rng(tc.seed).permutation(len(examples))
     t0 = time.perf_counter()
     for step in range(tc.steps):
@@ -225,8 +229,8 @@ def train_model(recipe: BlockRecipe, loss_fn: BlockLoss, examples, init_params, 
 def evaluate(graphdef, params, examples, tokenizer, marker_ids, recipe: BlockRecipe, mode: str) -> dict[str, float]:
     """Greedy answers under ``mode`` ("full" or "block") -> mean set EM / F1 and a sample output."""
     eos = tokenizer.token_to_id("<|end_of_text|>")
-    ba = BlockAttention((graphdef, params), store=KVStore(1 << 30), marker_ids=marker_ids,
-                        fingerprint=f"{id(params)}")
+    # A fresh store per evaluation, so a fixed fingerprint cannot mix models.
+    ba = BlockAttention((graphdef, params), store=KVStore(1 << 30), marker_ids=marker_ids, fingerprint="eval")
     ems, f1s, sample = [], [], None
     bs = recipe.eval.batch_size
     for i in range(0, len(examples), bs):

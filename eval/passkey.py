@@ -47,8 +47,10 @@ from rag_jax.train.objectives.lm import LMLoss  # noqa: E402
 
 KV_FILE = ROOT.parent / "shared" / "data" / "lost_in_the_middle" / "kv-retrieval-75_keys.jsonl.gz"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "What is the pass key? The pass key is "
+# The standard needle and question with a colon before the key (no colon occurs in the filler), so a small
+# byte-level model trained for minutes on CPU learns the copy: the token before the answer is distinctive.
+NEEDLE = "The pass key is:{key}. Remember it. {key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is:"
 KV_INTRO = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
 METHODS = ("em_llm", "inf_llm", "sliding", "full")
 MIN_PASSKEY_LEN = len(NEEDLE.format(key="12345")) + len(QUESTION) + 16
@@ -94,11 +96,11 @@ def synthetic_kv_example(rng: np.random.Generator, max_len: int) -> tuple[str, s
 
 
 def training_batch(rng: np.random.Generator, batch: int, seq_len: int) -> dict[str, np.ndarray]:
-    """Half passkey, half synthetic KV prompts with their answers, each in its own padded row."""
+    """Passkey prompts with their answers (3 rows of 4) and synthetic KV prompts (1 of 4), one per padded row."""
     tokens = np.zeros((batch, seq_len), np.int32)
     segment_ids = np.zeros((batch, seq_len), np.int32)
     for row in range(batch):
-        if row % 2 == 0:
+        if row % 4 != 3:
             prompt, key = passkey_example(rng, int(rng.integers(MIN_PASSKEY_LEN, seq_len - 8)), rng.random())
             ids = np.concatenate([prompt, encode(key + ".")])
         else:
@@ -176,7 +178,7 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--checkpoint", type=Path, default=ROOT / "runs" / "passkey_model",
                    help="model folder: loaded if it exists, else trained and saved there")
-    p.add_argument("--train-steps", type=int, default=1500)
+    p.add_argument("--train-steps", type=int, default=2000)
     p.add_argument("--train-len", type=int, default=256, help="training context in tokens (<= 1024)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)

@@ -102,7 +102,8 @@ def main(argv=None) -> None:
         search_s = time.perf_counter() - start
         results[name] = (found, build_s, search_s, getattr(index, "params", {}))
     exact_found = results["exact (ExactIndex)"][0]
-    print("| method | " + " | ".join(f"recall@{k}" for k in KS) + " | agree@20 vs exact | build s | search s | params |")
+    print("| method | " + " | ".join(f"recall@{k}" for k in KS) +
+          " | agree@20 vs exact | build s | search s | params |")
     print("|---|" + "---:|" * (len(KS) + 3) + "---|")
     for name, (found, build_s, search_s, params) in results.items():
         recalls = [np.mean((found[:, :k] == gold[:, None]).any(axis=1)) for k in KS]

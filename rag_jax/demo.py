@@ -920,7 +920,6 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
     t = stage("data", t)
 
     import jax
-    from flax import nnx
 
     from rag_jax.data.tokenizer import train_bpe
     from rag_jax.inference.block_attention import BlockAttention

@@ -82,6 +82,10 @@ def test_reused_block_at_a_new_offset(model):
     got = np.asarray(ba.prefill([b, a, shared, q]).logits)
     assert ba.store.stats["hits"] == 2                      # `a` and `shared` came from the store
     np.testing.assert_allclose(got, _block_mask_logits(model, [b, a, shared, q])[-len(q):], atol=1e-5, rtol=0)
+    for mode in ("block", "full"):                          # time-to-first-token path: last row only
+        last = np.asarray(ba.prefill([b, a, shared, q], mode=mode, last_only=True).logits)
+        np.testing.assert_allclose(last, np.asarray(ba.prefill([b, a, shared, q], mode=mode).logits)[-1:],
+                                   atol=1e-5, rtol=0)
 
 
 def test_single_block_equals_plain_causal(model):

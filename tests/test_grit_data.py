@@ -121,3 +121,26 @@ def test_bad_input_errors(tokenizer):
         GritDataConfig(group_size=0)
     with pytest.raises(ValueError, match="needs embedding_records, generative_records or both"):
         grit_batches(None, None, tokenizer, cfg)
+
+
+def test_grit_configs_load(monkeypatch):
+    """Every train/configs/grit*.yaml validates into the GRIT run config of eval/grit_eval.py."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from rag_jax import config as config_lib
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("grit_eval", root / "eval" / "grit_eval.py")
+    grit_eval = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "grit_eval", grit_eval)  # dataclasses resolve annotations via sys.modules
+    spec.loader.exec_module(grit_eval)
+    paths = sorted((root / "train" / "configs").glob("grit*.yaml"))
+    assert len(paths) >= 3
+    for path in paths:
+        cfg = config_lib.load_config(grit_eval.GritRunConfig, path)
+        assert cfg.grit.temperature == 0.02 and cfg.data.group_size == 2
+        assert cfg.data.generative_max_len <= cfg.model.max_seq_len
+    with pytest.raises(config_lib.ConfigError, match="loss_gen_type"):
+        config_lib.load_config(grit_eval.GritRunConfig, paths[0], ["grit.loss_gen_type=sum"])

@@ -157,7 +157,8 @@ def make_batch(rng, b=8, g=2, bg=4, lq=8, lp=12, lg=10):
 
 
 def test_unified_loss_fn_is_rep_plus_lambda_gen(model):
-    reduction = "token"  # "mixed" runs in the jitted-step test; both reductions are checked vs NumPy in test_grit_losses
+    # "mixed" runs in the train-step test; both reductions are checked vs NumPy in test_grit_losses.
+    reduction = "token"
     rng = np.random.default_rng(4)
     batch = make_batch(rng)
     cfg = GritConfig(loss_gen_type=reduction, loss_gen_factor=0.5, gen_sub_batch_size=2)
@@ -271,14 +272,14 @@ def test_bidirectional_doc_cache_differs_only_by_attention_mode(model, tokenizer
     ccache, cprompt = causal.build("doc", query, doc)
     assert cprompt == prompt and ccache.length == cache.length
     assert float(jnp.abs(ccache.k - cache.k).max()) > 1e-4  # different attention mode -> different KV...
-    # ...and swapping the bidirectional KV into the causal path is all that differs.
-    np.testing.assert_allclose(np.asarray(_cached_logits(model, cache, prompt)[-1]),
-                               np.asarray(forward(model, jnp.asarray([prompt]), len(ids) + jnp.arange(len(prompt))[None],
-                                                  jnp.ones((1, len(prompt)), jnp.int32), kv_cache=out.kv).logits[0, -1]),
-                               atol=1e-5)
+    # Same tokens, positions and prompt as plain RAG; only the cached pass's attention differs, and so do
+    # the logits (the paper's "attention mismatch", §4).
+    np.testing.assert_array_equal(np.asarray(ccache.positions), np.asarray(cache.positions))
+    _, full = gc.build("rag_doc_first", query, doc)
+    plain = np.asarray(_full_logits(model, full))[-len(prompt):]
+    assert np.abs(np.asarray(_cached_logits(model, cache, prompt)) - plain).max() > 1e-4
     gc.build("doc", query, doc)
     assert store.stats["hits"] == 1  # second request reuses the stored doc KV
-    assert gc.generate("doc", query, doc, max_new_tokens=4).shape == (4,)
 
 
 def test_two_segment_caches_positions(model, tokenizer, cache_setup):

@@ -84,6 +84,13 @@ def test_host_tier_offloads_and_restores_exact_values():
     assert isinstance(restored.k, jax.Array)
     np.testing.assert_array_equal(np.asarray(restored.k, np.float32), np.asarray(segs[1].k, np.float32))
     assert store.stats["host_hits"] == 1
+    # An entry larger than the device tier lives on the host and does not flush the device tier.
+    big = _segment(12, 7, jnp.bfloat16)
+    device_keys = list(store._device)
+    assert store.put(_ids(12, 7), "m", jnp.bfloat16, big) and list(store._device) == device_keys
+    np.testing.assert_array_equal(np.asarray(store.get(_ids(12, 7), "m", jnp.bfloat16).v, np.float32),
+                                  np.asarray(big.v, np.float32))
+    assert list(store._device) == device_keys and store.host_nbytes <= store.host_max_bytes
 
 
 def test_put_validates_dtype_and_length():

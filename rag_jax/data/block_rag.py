@@ -80,6 +80,8 @@ class BlockExample:
     response: tuple[int, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "blocks", tuple(tuple(int(t) for t in b) for b in self.blocks))
+        object.__setattr__(self, "response", tuple(int(t) for t in self.response))
         if not self.blocks:
             raise ValueError("BlockExample.blocks is empty; a prompt needs at least one block (the last block)")
         for i, block in enumerate(self.blocks):

@@ -166,15 +166,15 @@ class BlockAttention:
     def assemble(self, blocks: Sequence[np.ndarray], width: int | None = None) -> KVSegment | None:
         """Cached KV of ``blocks`` (the local blocks, in prompt order), each re-encoded to its offset.
 
-        Block b's stored keys sit at local positions 0..n_b-1; re-encoding to offset o_b is
-        ``seg.with_positions(seg.positions + o_b)``. It is applied once to the concatenation (one
-        positions array for all blocks) to keep host dispatches per request constant.
+        Block b's stored keys sit at local positions 0..n_b-1; re-encoding to its offset o_b is
+        ``seg.with_positions(seg.positions + o_b)``, so the concatenated blocks sit at the global
+        positions 0..total-1. That positions array is applied once to the concatenation, to keep the
+        host dispatches per request independent of the number of blocks.
         The result is right-padded with empty slots (``segment_ids`` 0) to ``width`` tokens (default:
         the next multiple of ``pad_multiple``); None when there are no local blocks and no ``width``.
         """
         segments = [self.block_kv(block) for block in blocks]
-        sizes = [block.size for block in blocks]
-        total = sum(sizes)
+        total = sum(block.size for block in blocks)
         width = _round_up(total, self.pad_multiple) if width is None else width
         if width < total:
             raise ValueError(f"width={width} is shorter than the {total} cached tokens")
@@ -184,34 +184,33 @@ class BlockAttention:
         if width > total:
             segments.append(KVSegment.empty(cfg.num_layers, 1, width - total, cfg.num_kv_heads, cfg.head_dim,
                                             self.dtype))
-        local = np.concatenate([np.arange(n) for n in sizes] + [np.zeros(width - total, np.int64)])
-        offsets = np.concatenate([np.full(n, o) for n, o in zip(sizes, np.cumsum([0] + sizes[:-1]))]
-                                 + [np.zeros(width - total, np.int64)])
-        cache = KVSegment.concat(segments)
-        return cache.with_positions((local + offsets).astype(np.int32)[None])
+        slots = np.arange(width, dtype=np.int32)
+        return KVSegment.concat(segments).with_positions(np.where(slots < total, slots, 0)[None])
 
-    def prefill(self, blocks: Sequence[Sequence[int]], *, mode: str = "block") -> Prefill:
+    def prefill(self, blocks: Sequence[Sequence[int]], *, mode: str = "block", last_only: bool = False) -> Prefill:
         """Prefill one prompt: block mode reuses cached blocks, full mode runs one causal forward.
 
         Args:
           blocks: token-id lists; ``blocks[-1]`` is the last (global) block.
           mode: ``"block"`` or ``"full"``.
+          last_only: return the logits of the prompt's last token only (time to first token).
 
         Returns:
-          ``Prefill(logits float32 [len(blocks[-1]), vocab], cache, kv)`` (see ``Prefill``).
+          ``Prefill(logits float32 [len(blocks[-1]) or 1, vocab], cache, kv)`` (see ``Prefill``).
 
         Raises:
           ValueError: see ``check_blocks``.
         """
         arrays = self.check_blocks(blocks, mode)
         last = arrays[-1]
+        keep = 1 if last_only else last.size
         if mode == "full":
             prompt = np.concatenate(arrays)
-            logits, kv = _padded_forward(self.graphdef, self.state, prompt, 0, None, self.pad_multiple, last.size)
+            logits, kv = _padded_forward(self.graphdef, self.state, prompt, 0, None, self.pad_multiple, keep)
             return Prefill(logits, None, kv)
         cache = self.assemble(arrays[:-1])
         offset = sum(b.size for b in arrays[:-1])
-        logits, kv = _padded_forward(self.graphdef, self.state, last, offset, cache, self.pad_multiple, last.size)
+        logits, kv = _padded_forward(self.graphdef, self.state, last, offset, cache, self.pad_multiple, keep)
         return Prefill(logits, cache, kv)
 
     def generate(self, prompts: Sequence[Sequence[Sequence[int]]], *, max_new_tokens: int, mode: str = "block",

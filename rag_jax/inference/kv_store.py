@@ -114,10 +114,13 @@ class KVStore:
             return entry.segment
         entry = self._host.get(key)
         if entry is not None and np.array_equal(entry.token_ids, ids):
-            self._host_bytes -= self._host.pop(key).nbytes
             segment = jax.device_put(entry.segment, self.device)
             self.stats["host_hits"] += 1
-            self._insert(key, _Entry(entry.token_ids, segment, entry.nbytes))
+            if entry.nbytes > self.max_bytes:  # too big for the device tier: stays on the host
+                self._host.move_to_end(key)
+            else:
+                self._host_bytes -= self._host.pop(key).nbytes
+                self._insert(key, _Entry(entry.token_ids, segment, entry.nbytes))
             return segment
         self.stats["misses"] += 1
         return None

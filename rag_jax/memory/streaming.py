@@ -209,8 +209,12 @@ class EMLLM:
         logits = em.prefill(tokens)            # int [seq] -> float32 [vocab] after the last token
         new_tokens = em.generate(tokens, max_new_tokens=16)
 
+    Attributes (inspectable state): ``buffers`` (per-layer ``LayerBuffers``), ``cache`` (``DeviceEventCache``),
+    ``store`` (host ``EventStore``), ``segmenter`` (``EventSegmenter``: buffer fill, init length, stream length),
+    ``retrieved`` (per layer, the event ids attended by the last chunk, in temporal order).
+
     Raises ValueError for bad configs (see ``EMLLMConfig``), ``refine_from_layer >= num_layers``, empty input,
-    batched input or token ids outside the vocabulary.
+    batched input or token ids outside the vocabulary (TypeError for non-integer tokens).
     """
 
     def __init__(self, model: Transformer, cfg: EMLLMConfig, *, index_factory=None):

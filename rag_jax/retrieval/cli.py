@@ -119,8 +119,19 @@ def make_embedders(ecfg: dict):
     kwargs = {"batch_size": ecfg["batch_size"]}
     if ecfg["max_length"]:
         kwargs["max_length"] = ecfg["max_length"]
-    return (GritEmbedder(model, tok, instruction="", **kwargs),
-            GritEmbedder(model, tok, instruction=ecfg["query_instruction"], **kwargs))
+    docs = GritEmbedder(model, tok, instruction="", **kwargs)  # GRIT: documents get no instruction (§2)
+    return docs, _Instructed(docs, ecfg["query_instruction"])
+
+
+class _Instructed:
+    """The same GRIT embedder (one compiled model) with the query instruction, as an ``Embedder``."""
+
+    def __init__(self, base, instruction: str):
+        self.base, self.instruction, self.dim = base, instruction, base.dim
+        self.tokenizer = base.tokenizer
+
+    def embed(self, texts):
+        return self.base.embed(texts, instruction=self.instruction)
 
 
 def build(cfg: dict, *, progress: bool = True) -> Path:

@@ -7,8 +7,9 @@ TF32/bf16 passes). With ``S`` devices the corpus rows are split into ``S`` equal
 ``S·k`` candidates, so only ``[q, S·k]`` values leave the devices. Ties keep the lower row first,
 as one ``top_k`` over all rows would.
 
-Device copies are padded to a capacity bucket (power of two, >= 1024 rows) and queries to a power
-of two, so a growing index recompiles O(log n) times; padded rows score ``-inf``.
+Device copies are padded to a capacity bucket (>= 1024 rows, 8 buckets per power of two: at most
+12.5% padding) and queries to a power of two, so a growing index recompiles O(log n) times; padded
+rows score ``-inf``.
 """
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ FORMAT = "rag_jax.exact_index"
 
 def _pow2(n: int, minimum: int) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _capacity(n: int) -> int:
+    n = max(n, 1024)
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 @functools.partial(jax.jit, static_argnames=("k", "num_shards"))
@@ -52,7 +59,7 @@ class ExactIndex(VectorIndex):
     Args:
       dim: vector dimension.
       shard_min_rows: shard rows over ``devices`` once the index holds at least this many vectors
-        (below it, one device: the merge costs more than it saves).
+        (a small store fits one device; sharding splits the memory and the matmul of a large one).
       devices: devices to use (default ``jax.local_devices()``: each process of a multi-host job
         searches its own shard, see ``sharded.py``).
     """
@@ -75,8 +82,7 @@ class ExactIndex(VectorIndex):
         if self._device_copy is None:
             n = self.store.n
             num_shards = len(self.devices) if n >= self.shard_min_rows else 1
-            cap = _pow2(n, 1024)
-            cap = -(-cap // num_shards) * num_shards
+            cap = -(-_capacity(n) // num_shards) * num_shards
             padded = np.zeros((cap, self.dim), np.float32)
             padded[:n] = self.store.vectors
             mesh = jax.make_mesh((num_shards,), ("data",), axis_types=(AxisType.Auto,),

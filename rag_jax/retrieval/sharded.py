@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from rag_jax.retrieval.index import Index, check_k
+from rag_jax.retrieval.index import Index, check_k, check_vectors
 
 
 def shard_slice(n: int, process_index: int | None = None, process_count: int | None = None) -> slice:
@@ -106,13 +106,15 @@ class ShardedIndex:
         Raises:
           ValueError: bad k/queries (checked locally), or processes passed different queries or k.
         """
+        # Validated before any collective, identically on every process (none may raise alone).
         k = check_k(k)
-        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        queries = check_vectors(queries, self.dim, name="queries")
         # A collective with mismatched inputs would merge unrelated results silently: compare digests.
         digest = np.array([k, queries.shape[0], zlib.crc32(queries.tobytes()) & 0x7FFFFFFF], np.int32)
         digests = np.asarray(self._allgather(digest))
         if not (digests == digests[0]).all():
-            raise ValueError(f"ShardedIndex.search: processes passed different queries or k (digests {digests.tolist()}); "
+            raise ValueError("ShardedIndex.search: processes passed different queries or k "
+                             f"(digests {digests.tolist()}); "
                              "every process must search the same batch")
         if len(self.local):
             scores, ids = self.local.search(queries, k)

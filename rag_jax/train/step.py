@@ -157,7 +157,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn,
 
     def step(state: TrainState, batch: dict):
         rng = jax.random.fold_in(jax.random.key(seed), state.step)
-        grads, metrics = _weighted_grads(loss_and_grad, state.params, batch, rng, accum_steps, micro_sharding)
+        with sharding.activation_rules(mesh, rules):  # traced here: activation hints resolve on this mesh
+            grads, metrics = _weighted_grads(loss_and_grad, state.params, batch, rng, accum_steps, micro_sharding)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
@@ -176,7 +177,8 @@ def make_eval_step(graphdef, loss_fn: LossFn, shardings: TrainState, mesh: Mesh,
     batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(("batch",), mesh, rules))
 
     def evaluate(params, batch):
-        loss, metrics = loss_fn(nnx.merge(graphdef, params), batch, jax.random.key(0))
+        with sharding.activation_rules(mesh, rules):
+            loss, metrics = loss_fn(nnx.merge(graphdef, params), batch, jax.random.key(0))
         return {k: jnp.asarray(v, jnp.float32) for k, v in {"loss": loss, **metrics}.items()}
 
     return jax.jit(evaluate, in_shardings=(shardings.params, batch_sharding),

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rag_jax import sharding
+
 LM_BATCH_KEYS = ("tokens", "positions", "segment_ids")
 
 
@@ -43,7 +45,10 @@ def lm_loss(model, batch: dict[str, jax.Array], rng: jax.Array | None = None, *,
     if missing:
         raise ValueError(f"LM batch is missing {missing}; it has {sorted(batch)} and needs {list(LM_BATCH_KEYS)}")
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
-    logits = model(tokens, batch["positions"], segment_ids, mode=mode).logits[:, :-1]
+    logits = model(tokens, batch["positions"], segment_ids, mode=mode).logits
+    # Without this hint GSPMD may leave the [batch, seq, vocab] logits (the largest activation)
+    # unsharded on large FSDP meshes; a no-op outside the train step's activation_rules context.
+    logits = sharding.constrain(logits, ("batch", "seq", "vocab"))[:, :-1]
     targets = tokens[:, 1:]
     weight = ((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)).astype(jnp.float32)
     if "loss_mask" in batch:

@@ -1,0 +1,155 @@
+"""`rag-jax demo` end to end at toy size, its config loading, and the CLI's answers to bad input.
+
+The end-to-end run is checked against independent references: answers are recomputed from the
+article text with a regex, the report's GRIT recall is recomputed from the saved checkpoint with a
+NumPy brute-force search and hand-written recall, and the metrics JSON equals the returned report.
+"""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rag_jax import cli, demo
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "train" / "configs" / "demo_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    cfg = demo.load_demo_config(TINY)
+    lines = []
+    report = demo.run(cfg, out_dir=out, progress=False, log=lines.append)
+    return cfg, out, report, lines
+
+
+def test_tiny_demo_writes_report_plots_and_checkpoint(tiny_run):
+    cfg, out, report, lines = tiny_run
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk["qa"]["conditions"] == json.loads(json.dumps(report["qa"]["conditions"]))
+    for name in ("loss.png", "ttft.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == cfg.train.steps
+    assert {"config.yaml", "tokenizer.json", "orbax"} <= {p.name for p in (out / "checkpoint").iterdir()}
+    assert set(report["qa"]["conditions"]) == {"no_retrieval", "retrieval_full", "retrieval_block", "oracle_block"}
+    for scores in report["qa"]["conditions"].values():
+        assert all(0.0 <= scores[m] <= 1.0 for m in ("em", "f1", "subspan_em", "set_em", "set_f1"))
+    for res in report["retrieval"].values():
+        recalls = [res[f"recall@{k}"] for k in cfg.retrieval.ks]
+        assert recalls == sorted(recalls) and 0.0 <= recalls[0] and recalls[-1] <= 1.0
+    # Passage blocks were computed once and then reused from the KV store.
+    kv = report["qa"]["kv_store"]
+    assert kv["misses"] == kv["entries"] > 0 and kv["hits"] > 0
+    assert [r["passages"] for r in report["ttft"]] == list(cfg.eval.ttft_passages)
+    text = "\n".join(lines)
+    assert "rag-jax demo report" in text and "recall@5" in text and "Block-Attention (KV reuse)" in text
+
+
+def test_tiny_demo_data_are_attribute_questions_answered_by_their_article():
+    cfg = demo.load_demo_config(TINY)
+    data = demo.prepare_data(cfg)
+    arts = {a["title"]: a["article"] for a in data.eval_articles}
+    assert data.question_kind == "attribute" and len(data.eval_questions) > 10
+    names = {"date of birth", "occupation", "hobby", "gender"}
+    for q in data.eval_questions:
+        m = re.fullmatch(r"What is the (.+) of (.+)\?", q["question"])
+        assert m and m.group(1) in names and q["titles"] == [m.group(2)]
+        written = re.search(rf"^The {m.group(1)} of {re.escape(m.group(2))} is (.+)\.$", arts[m.group(2)], re.M)
+        assert q["answer"] == [written.group(1)]
+    # The held-out universe shares no article with the training one.
+    assert not {a["title"] for a in data.train_articles} & set(arts)
+
+
+def test_checkpoint_reproduces_grit_recall_with_numpy_brute_force(tiny_run):
+    cfg, out, report, _ = tiny_run
+    from rag_jax.model.embedding import GritEmbedder
+
+    loaded_cfg, graphdef, params, tokenizer = demo.load_checkpoint(out / "checkpoint")
+    assert loaded_cfg.train.seq_len == report["train"]["seq_len"]
+    data = demo.prepare_data(loaded_cfg)
+    grit = GritEmbedder((graphdef, params), tokenizer, max_length=loaded_cfg.train.passage_max_len,
+                        fmt=demo.grit_format())
+    docs = grit.embed([demo.passage_text(a["title"], a["article"]) for a in data.eval_articles]).astype(np.float64)
+    queries = grit.embed([q["question"] for q in data.eval_questions],
+                         instruction=loaded_cfg.train.grit_instruction).astype(np.float64)
+    order = np.argsort(-(queries @ docs.T), axis=1, kind="stable")
+    titles = np.asarray([a["title"] for a in data.eval_articles])
+    for k in cfg.retrieval.ks:
+        found = [len(set(titles[row[:k]]) & set(q["titles"])) / len(q["titles"])
+                 for row, q in zip(order, data.eval_questions)]
+        assert report["retrieval"]["grit"][f"recall@{k}"] == pytest.approx(np.mean(found), abs=1e-9)
+
+
+def test_rag_prompt_blocks_decode_to_passages_and_question():
+    from rag_jax.data.tokenizer import train_bpe
+    tok = train_bpe(["# Ada Lee\nThe hobby of Ada Lee is chess.\n", "Question: What is it?\nAnswer:"] * 5, 300,
+                    special_tokens=(demo.PAD, demo.BOS, demo.EOS, "<unk>"))
+    ex = demo.rag_example(tok, "What is the hobby of Ada Lee?", ["# Ada Lee\nhobby chess\n", "# Bo\nx\n"], "chess")
+    decoded = [tok.decode(list(b)) for b in ex.blocks]
+    assert decoded == ["# Ada Lee\nhobby chess\n", "# Bo\nx\n", "Question: What is the hobby of Ada Lee?\nAnswer:"]
+    assert ex.response[-1] == tok.token_to_id(demo.EOS) and tok.decode(list(ex.response)) == " chess"
+
+
+def test_score_answer_hand_computed():
+    s = demo.score_answer("Ada Lee, bo", ["Ada Lee", "Bo", "Cy"])
+    assert s["set_em"] == 0.0 and s["set_f1"] == pytest.approx(2 * (2 / 2) * (2 / 3) / (1 + 2 / 3))
+    assert s["em"] == 0.0 and s["subspan_em"] == 0.0
+    s = demo.score_answer("the Eiffel Tower!", ["Eiffel Tower", "Paris"], golds_are_set=False)
+    assert s["em"] == 1.0 and s["set_em"] == 0.0
+
+
+def test_config_defaults_survive_partial_overrides():
+    cfg = demo.load_demo_config(None, ["model.num_layers=3", "optimizer.learning_rate=0.01", "train.steps=7"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size) == (3, demo.DEMO_MODEL["hidden_size"])
+    assert cfg.optimizer.learning_rate == 0.01 and cfg.optimizer.warmup_steps == demo.DEMO_OPTIMIZER["warmup_steps"]
+    assert cfg.train.steps == 7 and cfg.retrieval.ks == (1, 2, 5, 10)
+    assert demo.load_demo_config(None, ["model.preset=tiny"]).model.hidden_size == 64  # the preset, not the demo's
+
+
+def _cli_error(capsys, argv) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rag-jax: error:") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_cli_unknown_config_key(capsys):
+    err = _cli_error(capsys, ["demo", "train.stepz=3"])
+    assert "unknown config key 'train.stepz'" in err and "train.steps" in err
+    assert "does not exist" in _cli_error(capsys, ["demo", "--config", "/nonexistent/demo.yaml"])
+    assert "must be an int" in _cli_error(capsys, ["demo", "train.steps=many"])
+
+
+def test_cli_missing_dataset(capsys, tmp_path):
+    err = _cli_error(capsys, ["demo", "--data", str(tmp_path / "no_such_folder"), "--out", str(tmp_path / "o")])
+    assert "no_such_folder" in err and "not found" in err
+
+
+def test_cli_malformed_dataset(capsys, tmp_path):
+    folder = tmp_path / "pw"
+    folder.mkdir()
+    (folder / "articles.json").write_text('[{"title": "A", "article": "x", "facts": []}')
+    (folder / "questions.json").write_text("[]")
+    err = _cli_error(capsys, ["demo", "--data", str(folder), "--out", str(tmp_path / "o")])
+    assert "articles.json is not valid JSON" in err
+    (folder / "articles.json").write_text('[{"title": "A", "facts": []}]')
+    assert "has no field 'article'" in _cli_error(capsys, ["demo", "--data", str(folder), "--out", str(tmp_path / "o")])
+
+
+def test_cli_unwritable_output_dir(capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    err = _cli_error(capsys, ["demo", "--out", str(blocker / "out")])
+    assert "is not writable" in err and "a_file" in err
+
+
+def test_console_entry_point_one_line_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rag_jax", "demo", "--data", str(tmp_path / "missing"),
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("rag-jax: error: PhantomWiki folder")
