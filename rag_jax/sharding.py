@@ -29,6 +29,7 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),
     ("seq", ()),
+    ("activation_embed", ("tensor",)),
     ("vocab", ("tensor",)),
     ("embed", ("fsdp",)),
     ("mlp", ("tensor",)),

@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu looks for a local TPU VM unless told its type; any value is fine for compile-only use.
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no exclusive TPU lock needed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ from flax import nnx
 
 from rag_jax.inference.generate import generate
 from rag_jax.inference.kv_store import KVStore, model_fingerprint
-from rag_jax.model.embedding import GritFormat, _bucket, encode, tokenize_for_embedding
+from rag_jax.model.embedding import GritFormat, encode, pad_length, tokenize_for_embedding
 from rag_jax.model.kv import KVSegment
 from rag_jax.model.transformer import Transformer
 
@@ -115,7 +115,7 @@ class GritCache:
         """
         ids, pool = self.cached_text_ids(text, bos=bos)
         n = len(ids)
-        width = min(_bucket(n), self.config.max_seq_len)
+        width = min(pad_length(n), self.config.max_seq_len)
         tokens, attn, pm = (np.zeros((1, width), np.int32) for _ in range(3))
         tokens[0, :n], attn[0, :n], pm[0, :n] = ids, 1, pool
         reps, kv = self._cache_pass(self.state, tokens, attn, pm)

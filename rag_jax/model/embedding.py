@@ -159,7 +159,7 @@ def encode(model: Transformer, tokens: jax.Array, attention_mask: jax.Array, poo
     return mean_pool_normalize(out.hidden, pool_mask * segment_ids), out
 
 
-def _bucket(n: int, minimum: int = 16) -> int:
+def pad_length(n: int, minimum: int = 16) -> int:
     """Pad lengths to powers of two so a stream of batches compiles a handful of shapes."""
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
@@ -218,8 +218,8 @@ class GritEmbedder:
         order = np.argsort([len(ids) for ids, _ in rows], kind="stable")
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
-            width = min(_bucket(max(len(rows[i][0]) for i in chunk)), self.max_length)
-            height = min(self.batch_size, _bucket(len(chunk), 1))
+            width = min(pad_length(max(len(rows[i][0]) for i in chunk)), self.max_length)
+            height = min(self.batch_size, pad_length(len(chunk), 1))
             tokens, attn, pool = (np.zeros((height, width), np.int32) for _ in range(3))
             for r, i in enumerate(chunk):
                 ids, pm = rows[i]

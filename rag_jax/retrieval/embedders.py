@@ -93,6 +93,8 @@ class BertEmbedder:
 
     def __init__(self, model_dir: str | os.PathLike | None = None, *, max_length: int | None = None,
                  batch_size: int = 64):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
         model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
         if not (model_dir / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{model_dir / 'tokenizer.json'} not found")
@@ -103,8 +105,6 @@ class BertEmbedder:
         if not isinstance(max_length, int) or not 2 <= max_length <= self.config.max_position_embeddings:
             raise ValueError(f"max_length={max_length!r} must be an int in [2, "
                              f"max_position_embeddings={self.config.max_position_embeddings}] tokens")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
         self.max_length, self.batch_size = max_length, batch_size
         self.dim = self.config.hidden_size
         self.tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -138,6 +138,8 @@ class ScannIndex(VectorIndex):
 
     The searcher is (re)built lazily at the first search after the size changed 2x since the last
     build (or on ``build()``); smaller changes go into ScaNN incrementally (upsert/delete).
+    Concurrent searches are fine; mutations must be serialised by the caller (ScaNN documents no
+    thread safety for writers, note §1).
     """
 
     def __init__(self, dim: int, config: ScannConfig | None = None):
