@@ -72,11 +72,11 @@ class GritRunConfig:
     model: ModelConfig = ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2,
                                      num_heads=4, num_kv_heads=2, max_seq_len=512)
     mesh: sharding.MeshConfig = sharding.MeshConfig(data=1, fsdp=-1, tensor=1)
-    optimizer: optim.OptimizerConfig = optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=10, weight_decay=0.0)
+    optimizer: optim.OptimizerConfig = optim.OptimizerConfig(learning_rate=3e-4, warmup_steps=20, weight_decay=0.0)
     grit: GritConfig = GritConfig()
     data: GritDataConfig = GritDataConfig(embedding_batch_size=16, generative_batch_size=8, group_size=2,
-                                          query_max_len=40, passage_max_len=128, generative_max_len=192)
-    steps: int = 100
+                                          query_max_len=40, passage_max_len=64, generative_max_len=256)
+    steps: int = 400
     seed: int = 0
     precision: str = "fp32"
     instruction: str = "Retrieve the Wikipedia passage that answers the question"

@@ -33,7 +33,8 @@ def _mapping_no_duplicates(loader, node, deep=False):
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
-            raise ConfigError(f"key {key!r} is set twice in the same YAML mapping (line {key_node.start_mark.line + 1})")
+            line = key_node.start_mark.line + 1
+            raise ConfigError(f"key {key!r} is set twice in the same YAML mapping (line {line})")
         seen.add(key)
     return loader.construct_mapping(node, deep=deep)
 
@@ -197,7 +198,8 @@ def _section_type(tp):
     if dataclasses.is_dataclass(tp):
         return tp
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 and dataclasses.is_dataclass(args[0]):
+    is_union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    if is_union and len(args) == 1 and dataclasses.is_dataclass(args[0]):
         return args[0]
     return None
 

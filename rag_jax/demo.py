@@ -275,17 +275,55 @@ def load_demo_config(path: str | os.PathLike | None = None, overrides: Sequence[
 # ---------------------------------------------------------------------------------------------
 # Data.
 
+# Article section that states each PhantomWiki query predicate (official article layout: # Name /
+# ## Family / ## Friends / ## Attributes; union predicates as in rules_base.pl).
+SECTION_OF_PREDICATE = {
+    **{p: "Family" for p in ("sister", "brother", "mother", "father", "son", "daughter", "wife", "husband",
+                             "parent", "child", "sibling", "married")},
+    "friend": "Friends", **{p: "Attributes" for p in ATTRIBUTE_PREDICATES},
+}
+
+
 @dataclasses.dataclass
 class DemoData:
-    """Articles (``{"title", "article"}``) and questions (``{"id", "question", "answer": [str], "hops",
-    "titles": [str]}``) of the training and the held-out side; with ``--data`` both sides share articles."""
+    """Passages (``{"title", "section", "text"}``: one per article section) and questions
+    (``{"id", "question", "answer": [str], "hops", "titles": [str], "gold": [passage index]}``) of the
+    training and the held-out side; with ``--data`` both sides share one universe's passages."""
 
     source: str
-    train_articles: list[dict]
-    eval_articles: list[dict]
+    train_passages: list[dict]
+    eval_passages: list[dict]
     train_questions: list[dict]
     eval_questions: list[dict]
     question_kind: str
+    num_articles: tuple[int, int]
+
+
+def split_article(title: str, article: str) -> list[dict]:
+    """An article -> one passage per non-empty ``## Section``, each headed by the article's ``# Title``
+    line (so a passage names its person). Text without sections is one passage."""
+    parts = re.split(r"\n\s*\n(?=## )", article.strip())
+    head = parts[0].strip() if parts[0].startswith("# ") else f"# {title}"
+    out = []
+    for part in parts[1:] if len(parts) > 1 else []:
+        lines = part.strip().split("\n")
+        if len(lines) > 1:
+            out.append({"title": title, "section": lines[0][3:].strip(), "text": f"{head}\n{part.strip()}\n"})
+    if not out:
+        body = article.strip()
+        out.append({"title": title, "section": "",
+                    "text": (body if body.startswith("# ") else f"{head}\n{body}") + "\n"})
+    return out
+
+
+def _query_sections(q: dict) -> set[str] | None:
+    """Sections that state the predicates of the question's Prolog query (None: unknown)."""
+    query = (q.get("prolog") or {}).get("query")
+    if not query:
+        return None
+    preds = {m for atom in query for m in re.findall(r"([a-z_]+)\(", atom)} - {"aggregate_all", "distinct"}
+    sections = {SECTION_OF_PREDICATE.get(p) for p in preds}
+    return None if None in sections else sections
 
 
 def _is_attribute_question(q: dict) -> bool:
@@ -298,24 +336,32 @@ def _answer_in(answer: str, text: str) -> bool:
     return re.search(r"(?<![\w-])" + re.escape(answer) + r"(?![\w-])", text) is not None
 
 
-def select_questions(questions: Sequence[dict], articles: Sequence[dict], kind: str, max_hops: int,
+def select_questions(questions: Sequence[dict], passages: Sequence[dict], kind: str, max_hops: int,
                      num_passages: int) -> list[dict]:
-    """Questions of ``kind`` (``TaskConfig.questions``, resolved) with at most ``max_hops`` hops and known
-    gold titles that name existing articles; ``evidence`` also needs every answer written in the gold
-    articles and at most ``num_passages`` of them."""
-    text = {a["title"]: a["article"] for a in articles}
+    """Questions of ``kind`` (``TaskConfig.questions``, resolved) with at most ``max_hops`` hops and gold
+    titles naming existing articles, each with ``"gold"``: the passages that state the facts its query
+    reads (the query predicates' sections of the gold articles; all their passages when the query is
+    unknown). ``evidence`` also needs every answer written in those passages and at most
+    ``num_passages`` of them."""
+    by_title: dict[str, list[int]] = {}
+    for i, p in enumerate(passages):
+        by_title.setdefault(p["title"], []).append(i)
     out = []
     for q in questions:
         titles = q.get("titles")
-        if not titles or q["hops"] > max_hops or any(t not in text for t in titles):
+        if not titles or q["hops"] > max_hops or any(t not in by_title for t in titles):
             continue
         if kind == "attribute" and not _is_attribute_question(q):
             continue
+        sections = _query_sections(q)
+        gold = [i for t in titles for i in by_title[t] if sections is None or passages[i]["section"] in sections]
+        if not gold:
+            continue
         if kind == "evidence":
-            gold = "\n".join(text[t] for t in titles)
-            if len(titles) > num_passages or not all(_answer_in(a, gold) for a in q["answer"]):
+            text = "\n".join(passages[i]["text"] for i in gold)
+            if len(gold) > num_passages or not all(_answer_in(a, text) for a in q["answer"]):
                 continue
-        out.append(q)
+        out.append({**q, "gold": gold})
     return out
 
 
@@ -326,8 +372,13 @@ def _as_dicts(articles, questions) -> tuple[list[dict], list[dict]]:
     return arts, qs
 
 
+def _passages(articles: Sequence[dict]) -> list[dict]:
+    return [p for a in articles for p in split_article(a["title"], a["article"])]
+
+
 def prepare_data(cfg: DemoConfig, data_path: str | os.PathLike | None = None) -> DemoData:
-    """Generate (or load) the universe(s) and select and split the questions (module docstring, stage 1).
+    """Generate (or load) the universe(s), cut articles into passages, select and split the questions
+    (module docstring, stage 1).
 
     Raises:
       FileNotFoundError: ``data_path`` (or one of its JSON files) does not exist.
@@ -342,36 +393,37 @@ def prepare_data(cfg: DemoConfig, data_path: str | os.PathLike | None = None) ->
         common = dict(max_hops=u.max_hops, friend_degree=u.friend_degree, max_family_size=u.max_family_size)
         train_u = generate_universe(u.num_people, u.seed, num_questions=u.num_questions, **common)
         eval_u = generate_universe(u.heldout_people, u.seed + 1, num_questions=u.heldout_questions, **common)
-        train_articles = [{"title": a["title"], "article": a["article"]} for a in train_u.articles]
-        eval_articles = [{"title": a["title"], "article": a["article"]} for a in eval_u.articles]
-        train_q = select_questions(train_u.questions, train_articles, kind, task.max_hops, task.num_passages)
-        eval_q = select_questions(eval_u.questions, eval_articles, kind, task.max_hops, task.num_passages)
+        train_p, eval_p = _passages(train_u.articles), _passages(eval_u.articles)
+        train_q = select_questions(train_u.questions, train_p, kind, task.max_hops, task.num_passages)
+        eval_q = select_questions(eval_u.questions, eval_p, kind, task.max_hops, task.num_passages)
         source = (f"generated universes: train seed {u.seed} ({u.num_people} people), "
                   f"held-out seed {u.seed + 1} ({u.heldout_people} people)")
+        counts = (len(train_u.articles), len(eval_u.articles))
     else:
         from rag_jax.data.loaders import load_phantomwiki
         kind = "evidence" if task.questions == "auto" else task.questions
         data = load_phantomwiki(data_path)
         articles, questions = _as_dicts(data.articles, data.questions)
-        selected = select_questions(questions, articles, kind, task.max_hops, task.num_passages)
+        train_p = eval_p = _passages(articles)
+        selected = select_questions(questions, train_p, kind, task.max_hops, task.num_passages)
         random.Random(task.split_seed).shuffle(selected)
         n_eval = max(1, round(len(selected) * task.heldout_fraction)) if selected else 0
         eval_q, train_q = selected[:n_eval], selected[n_eval:]
-        train_articles = eval_articles = articles
         source = f"PhantomWiki folder {data_path} ({len(articles)} articles, {len(questions)} questions)"
+        counts = (len(articles), len(articles))
     if len(train_q) < 2 or not eval_q:
         raise ValueError(f"only {len(train_q)} training and {len(eval_q)} held-out questions of kind {kind!r} with "
-                         f"<= {task.max_hops} hops (and <= task.num_passages={task.num_passages} gold articles); "
+                         f"<= {task.max_hops} hops (and <= task.num_passages={task.num_passages} gold passages); "
                          "set task.questions=all, raise task.max_hops or generate more questions")
-    return DemoData(source, train_articles, eval_articles, train_q, eval_q, kind)
+    return DemoData(source, train_p, eval_p, train_q, eval_q, kind, counts)
 
 
 # ---------------------------------------------------------------------------------------------
 # Prompts.
 
 def passage_text(title: str, text: str) -> str:
-    """A passage as the demo's prompt holds it: PhantomWiki articles already start with ``# Title``."""
-    return text if text.startswith("# ") else f"# {title}\n\n{text}\n"
+    """A passage from another corpus (e.g. NQ) in the demo's layout: ``# Title`` line, then the text."""
+    return f"# {title}\n{text.strip()}\n"
 
 
 def question_block(question: str) -> str:
@@ -436,15 +488,18 @@ class GritBlockLoss:
                       "loss_full": gen["loss_full"], "loss_block": gen["loss_block"], "gen_accuracy": gen["accuracy"]}
 
 
-def _hard_negatives(articles: Sequence[dict]) -> dict[str, list[int]]:
-    """Per title: indices of other articles that mention it (family, friends): the passages a
-    retriever confuses with the gold one."""
-    out: dict[str, list[int]] = {a["title"]: [] for a in articles}
-    for i, a in enumerate(articles):
-        for title in out:
-            if title != a["title"] and title in a["article"]:
-                out[title].append(i)
-    return out
+def hard_negatives(passages: Sequence[dict]) -> list[list[int]]:
+    """Per passage: the passages a retriever confuses with it — the other sections of the same article,
+    then other people's passages that mention its title (as family or friend)."""
+    by_title: dict[str, list[int]] = {}
+    for i, p in enumerate(passages):
+        by_title.setdefault(p["title"], []).append(i)
+    mentions: dict[str, list[int]] = {t: [] for t in by_title}
+    for i, p in enumerate(passages):
+        for t in by_title:
+            if t != p["title"] and t in p["text"]:
+                mentions[t].append(i)
+    return [[j for j in by_title[p["title"]] if j != i] + mentions[p["title"]] for i, p in enumerate(passages)]
 
 
 class _TrainingData:
@@ -457,11 +512,9 @@ class _TrainingData:
         from rag_jax.data.grit import GritDataConfig, embedding_dataset
 
         tc, k = cfg.train, cfg.task.num_passages
-        arts = data.train_articles
-        self.passages = [passage_text(a["title"], a["article"]) for a in arts]
-        lengths = np.asarray([len(encode(tokenizer, p)) for p in self.passages])
-        index = {a["title"]: i for i, a in enumerate(arts)}
-        negatives = _hard_negatives(arts)
+        texts = [p["text"] for p in data.train_passages]
+        lengths = np.asarray([len(encode(tokenizer, t)) for t in texts])
+        negatives = hard_negatives(data.train_passages)
         q_len = max(len(encode(tokenizer, question_block(q["question"]))) for q in data.train_questions)
         a_len = max(len(encode(tokenizer, " " + answer_text(q["answer"]) + EOS)) for q in data.train_questions)
         self.answer_tokens = a_len
@@ -469,28 +522,27 @@ class _TrainingData:
         self.seq_len = tc.seq_len or -(-(k * p90 + q_len + a_len) // 32) * 32
         self.passage_max_len = tc.passage_max_len or -(-(p90 + 16) // 32) * 32
         budget = self.seq_len - q_len - a_len
-        self.questions = [q for q in data.train_questions if sum(lengths[index[t]] for t in q["titles"][:k]) <= budget]
+        self.questions = [q for q in data.train_questions if lengths[q["gold"]].sum() <= budget]
         if len(self.questions) < max(2, tc.embedding_batch_size):
             raise ValueError(f"only {len(self.questions)} training questions fit train.seq_len={self.seq_len} tokens "
-                             f"with their gold articles; need >= {max(2, tc.embedding_batch_size)} "
+                             f"with their gold passages; need >= {max(2, tc.embedding_batch_size)} "
                              "(raise train.seq_len or lower train.embedding_batch_size)")
         self.dropped = len(data.train_questions) - len(self.questions)
         lm_weight = tc.lm_weight
 
         def rag_row(q: dict, rng: np.random.Generator):
-            gold = [index[t] for t in q["titles"][:k]]
-            room = budget - int(lengths[gold].sum())
-            pool = [i for i in negatives[q["titles"][0]] if i not in gold]
-            pool = list(rng.permutation(pool)) + list(rng.permutation(len(arts)))
-            chosen = list(gold)
-            for i in pool:
+            # Gold passages + hard negatives + random ones, in random order (the retriever's top k at
+            # test time may or may not hold the gold passage, and not in a fixed place).
+            chosen, room = list(q["gold"]), budget - int(lengths[q["gold"]].sum())
+            candidates = list(rng.permutation(negatives[q["gold"][0]])) + list(rng.permutation(len(texts)))
+            for i in candidates:
                 if len(chosen) == k:
                     break
                 if i not in chosen and lengths[i] <= room:
                     chosen.append(int(i))
                     room -= int(lengths[i])
             rng.shuffle(chosen)
-            return rag_example(tokenizer, q["question"], [self.passages[i] for i in chosen], answer_text(q["answer"]))
+            return rag_example(tokenizer, q["question"], [texts[i] for i in chosen], answer_text(q["answer"]))
 
         def rag_batch(examples):
             batch = collate(examples, self.seq_len)
@@ -503,14 +555,12 @@ class _TrainingData:
                     .random_map(rag_row, seed=tc.seed)
                     .batch(tc.rag_batch_size, drop_remainder=True, batch_fn=rag_batch))
         records = []
+        shuffle = random.Random(tc.seed)
         for q in self.questions:
-            gold = q["titles"][0]
-            negs = [self.passages[i] for i in negatives[gold] if arts[i]["title"] not in q["titles"]]
+            negs = [texts[i] for i in negatives[q["gold"][0]] if i not in q["gold"]]
             if len(negs) < tc.group_size - 1:
-                rng = random.Random(hash(gold) % 2**32)
-                negs += [self.passages[i] for i in rng.sample(range(len(arts)), min(len(arts), 8))
-                         if arts[i]["title"] not in q["titles"]]
-            records.append({"query": [tc.grit_instruction, q["question"]], "pos": [self.passages[index[gold]]],
+                negs += [texts[i] for i in shuffle.sample(range(len(texts)), min(len(texts), 8)) if i not in q["gold"]]
+            records.append({"query": [tc.grit_instruction, q["question"]], "pos": [texts[i] for i in q["gold"]],
                             "neg": negs})
         gcfg = GritDataConfig(embedding_batch_size=tc.embedding_batch_size, group_size=tc.group_size,
                               query_max_len=tc.query_max_len, passage_max_len=self.passage_max_len, seed=tc.seed)
@@ -680,31 +730,32 @@ def grit_format():
     return GritFormat(bos=BOS, eos=EOS)
 
 
-def retrieval_eval(name: str, embed_docs, embed_queries, articles: Sequence[dict], questions: Sequence[dict],
-                   ks: Sequence[int], scann: ScannConfig, depth: int) -> tuple[list[list[str]], dict]:
-    """Embed articles into a ScaNN index, search every question, score against its gold ``titles``.
+def retrieval_eval(name: str, embed_docs, embed_queries, docs: Sequence[str], queries: Sequence[str],
+                   gold: Sequence[Sequence[int]], hops: Sequence[int], ks: Sequence[int], scann: ScannConfig,
+                   depth: int) -> tuple[np.ndarray, dict]:
+    """Embed ``docs`` into a ScaNN index, search every query, score against its gold doc indices.
 
     Args:
       embed_docs / embed_queries: ``texts -> float32 [n, dim]`` unit-norm (the Embedder protocol).
-      depth: results kept per question (>= max(ks)).
+      gold: per query, the indices of its relevant docs; hops: per query, for the per-hop breakdown.
+      depth: results kept per query (>= max(ks)).
 
     Returns:
-      ``(ranked titles per question, {"recall@k", "hit@k", "by_hops": {hops: {...}}, "seconds",
-      "num_articles"})``.
+      ``(ranked doc indices int64 [q, depth'] (-1 = none), {"recall@k", "hit@k", "by_hops": {hops: {...}},
+      "seconds", "num_docs", "retriever", "index"})``.
     """
     from rag_jax import metrics
     from rag_jax.retrieval.scann_index import ScannIndex
 
     t0 = time.perf_counter()
-    docs = embed_docs([passage_text(a["title"], a["article"]) for a in articles])
-    index = ScannIndex(docs.shape[1], scann)
-    index.add(docs, np.arange(len(docs)))
+    vectors = embed_docs(list(docs))
+    index = ScannIndex(vectors.shape[1], scann)
+    index.add(vectors, np.arange(len(docs)))
     index.build()
-    _, ids = index.search(embed_queries([q["question"] for q in questions]), max(depth, *ks))
-    ranked = [[articles[i]["title"] for i in row if i >= 0] for row in ids]
+    _, ranked = index.search(embed_queries(list(queries)), max(depth, *ks))
 
     def scores(sel):
-        r, g = [ranked[i] for i in sel], [questions[i]["titles"] for i in sel]
+        r, g = [ranked[i] for i in sel], [gold[i] for i in sel]
         out = {}
         for k in ks:
             out[f"recall@{k}"] = metrics.recall_at_k(r, g, k)
@@ -712,11 +763,9 @@ def retrieval_eval(name: str, embed_docs, embed_queries, articles: Sequence[dict
         out["num_questions"] = len(sel)
         return out
 
-    result = scores(range(len(questions)))
-    result["by_hops"] = {h: scores([i for i, q in enumerate(questions) if q["hops"] == h])
-                         for h in sorted({q["hops"] for q in questions})}
-    result.update(seconds=time.perf_counter() - t0, num_articles=len(articles), retriever=name,
-                  index=dict(index.params))
+    result = scores(range(len(queries)))
+    result["by_hops"] = {h: scores([i for i, x in enumerate(hops) if x == h]) for h in sorted(set(hops))}
+    result.update(seconds=time.perf_counter() - t0, num_docs=len(docs), retriever=name, index=dict(index.params))
     return ranked, result
 
 
@@ -828,17 +877,18 @@ def format_report(report: dict) -> str:
     ks = report["config"]["retrieval"]["ks"]
     lines = ["", "=" * 78, "rag-jax demo report", "=" * 78,
              f"data: {d['source']}",
-             f"task: {d['question_kind']} questions; {d['train_questions']} train / {d['eval_questions']} held-out "
-             f"({d['train_articles']} / {d['eval_articles']} articles)",
+             f"task: {d['question_kind']} questions; {d['train_questions']} train / {d['eval_questions']} held-out; "
+             f"articles cut into section passages: {d['train_passages']} train / {d['eval_passages']} held-out",
              f"model: {report['model']['num_layers']} layers, hidden {report['model']['hidden_size']}, "
              f"{report['model']['params'] / 1e6:.2f}M params, vocab {report['model']['vocab_size']}",
              f"training: {tr['steps']} steps in {tr['seconds']:.0f} s (+{tr['compile_seconds']:.0f} s compile); final "
              f"loss {tr['final']['loss']:.3f}, GRIT in-batch accuracy {tr['final']['rep_accuracy']:.2f}, "
              f"answer-token accuracy {tr['final']['gen_accuracy']:.2f}", ""]
-    rows = [[r["retriever"], r["num_articles"], *[r[f"recall@{c}"] for c in ks]]
+    rows = [[r["retriever"], *[r[f"recall@{c}"] for c in ks], *[r[f"hit@{c}"] for c in ks]]
             for r in report["retrieval"].values()]
-    lines += [f"retrieval over held-out articles (ScaNN), {qa and report['data']['eval_questions']} questions:",
-              _table(["embedder", "articles", *[f"recall@{c}" for c in ks]], rows), ""]
+    lines += [f"retrieval of gold passages among {d['eval_passages']} held-out passages (ScaNN), "
+              f"{d['eval_questions']} questions:",
+              _table(["embedder", *[f"recall@{c}" for c in ks], *[f"hit@{c}" for c in ks]], rows), ""]
     rows = [[CONDITION_LABELS[c].format(k=k), v["set_em"], v["set_f1"], v["f1"], v["seconds"]]
             for c, v in qa["conditions"].items()]
     lines += [f"answers to {qa['num_questions']} held-out questions (retriever: {qa['retriever']}; greedy):",
@@ -883,10 +933,10 @@ def check_output_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-def _resolve_eval_passages(ranked: list[str], gold: Sequence[str], k: int) -> list[str]:
-    """Top-k retrieved titles with the gold titles forced in (replacing the lowest-ranked others)."""
-    gold = list(gold[:k])
-    return [t for t in ranked if t not in gold][:k - len(gold)] + gold
+def with_gold(ranked: Sequence[int], gold: Sequence[int], k: int) -> list[int]:
+    """The top-k retrieved passage indices with the gold ones forced in (replacing the lowest-ranked others)."""
+    gold = [int(g) for g in gold[:k]]
+    return [int(i) for i in ranked if i >= 0 and i not in gold][:k - len(gold)] + gold
 
 
 def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir: str | os.PathLike = "runs/demo",
@@ -930,7 +980,7 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
     from rag_jax.train import step as step_lib
 
     log(f"[2/7] tokenizer: byte-level BPE, vocab {cfg.tokenizer.vocab_size}")
-    texts = ([a["article"] for a in data.train_articles] + [q["question"] for q in data.train_questions]
+    texts = ([p["text"] for p in data.train_passages] + [q["question"] for q in data.train_questions]
              + [question_block("") + " " + answer_text(q["answer"]) for q in data.train_questions])
     tokenizer = train_bpe(texts, cfg.tokenizer.vocab_size, special_tokens=(PAD, BOS, EOS, "<unk>"))
     vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # a multiple of 64: friendlier matmul shapes
@@ -958,36 +1008,37 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
     ckpt_dir = _save_checkpoint(out / "checkpoint", resolved, state, tokenizer)
     t = stage("checkpoint", t)
 
-    log("[5/7] retrieval: embed held-out articles, ScaNN index, recall@k")
+    log("[5/7] retrieval: embed held-out passages, ScaNN index, recall@k")
     k = cfg.task.num_passages
     depth = max(max(cfg.retrieval.ks), k + 1)
+    docs = [p["text"] for p in data.eval_passages]
+    queries = [q["question"] for q in data.eval_questions]
+    gold = [q["gold"] for q in data.eval_questions]
+    hops = [q["hops"] for q in data.eval_questions]
     retrieval, ranked = {}, {}
     if have_minilm:
         minilm = BertEmbedder()
         ranked["minilm"], retrieval["minilm"] = retrieval_eval(
-            "MiniLM-L6 (pretrained)", lambda x: embed_texts(minilm, x, desc="MiniLM articles", progress=progress),
-            minilm.embed, data.eval_articles, data.eval_questions, cfg.retrieval.ks, cfg.retrieval.scann, depth)
+            "MiniLM-L6 (pretrained)", lambda x: embed_texts(minilm, x, desc="MiniLM passages", progress=progress),
+            minilm.embed, docs, queries, gold, hops, cfg.retrieval.ks, cfg.retrieval.scann, depth)
     grit = GritEmbedder(model, tokenizer, max_length=td.passage_max_len, fmt=fmt)
     ranked["grit"], retrieval["grit"] = retrieval_eval(
-        "GRIT (this model)", lambda x: embed_texts(grit, x, desc="GRIT articles", progress=progress),
+        "GRIT (this model)", lambda x: embed_texts(grit, x, desc="GRIT passages", progress=progress),
         lambda x: grit.embed(x, instruction=cfg.train.grit_instruction),
-        data.eval_articles, data.eval_questions, cfg.retrieval.ks, cfg.retrieval.scann, depth)
+        docs, queries, gold, hops, cfg.retrieval.ks, cfg.retrieval.scann, depth)
     t = stage("retrieval", t)
 
     log("[6/7] answering held-out questions: no retrieval / retrieval (full, block) / gold")
     questions = data.eval_questions[:cfg.eval.max_questions]
-    qidx = list(range(len(questions)))
-    passages = {a["title"]: passage_text(a["title"], a["article"]) for a in data.eval_articles}
     use = ranked[cfg.retrieval.retriever]
     max_new = min(cfg.eval.max_new_tokens, td.answer_tokens + 2)
     ba = BlockAttention(model, store=KVStore(max_bytes=1 << 30))
     prompts = {
         "no_retrieval": [rag_example(tokenizer, q["question"], []).blocks for q in questions],
-        "retrieval": [rag_example(tokenizer, q["question"], [passages[t] for t in use[i][:k]]).blocks
-                      for i, q in zip(qidx, questions)],
-        "oracle": [rag_example(tokenizer, q["question"], [passages[t] for t in
-                                                           _resolve_eval_passages(use[i], q["titles"], k)]).blocks
-                   for i, q in zip(qidx, questions)],
+        "retrieval": [rag_example(tokenizer, q["question"], [docs[j] for j in use[i][:k] if j >= 0]).blocks
+                      for i, q in enumerate(questions)],
+        "oracle": [rag_example(tokenizer, q["question"], [docs[j] for j in with_gold(use[i], q["gold"], k)]).blocks
+                   for i, q in enumerate(questions)],
     }
     conditions, predictions = {}, {}
     plan = [("no_retrieval", "no_retrieval", "full"), ("retrieval_full", "retrieval", "full"),
@@ -1004,10 +1055,10 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
     t = stage("answers", t)
 
     log("[7/7] TTFT: full prefill vs cached passages")
-    q0 = questions[0]
-    ttft_passages = [passages[t] for t in use[0]] + [p for p in passages.values() if p not in use[0]]
-    ttft = ttft_curve(ba, tokenizer, ttft_passages, q0["question"], cfg.eval.ttft_passages, cfg.eval.ttft_repeats,
-                      progress)
+    order = [int(j) for j in use[0] if j >= 0]
+    order += [j for j in range(len(docs)) if j not in order]
+    ttft = ttft_curve(ba, tokenizer, [docs[j] for j in order], questions[0]["question"], cfg.eval.ttft_passages,
+                      cfg.eval.ttft_repeats, progress)
     t = stage("ttft", t)
 
     files = {"metrics": str(out / "metrics.json"), "checkpoint": str(ckpt_dir),
@@ -1016,7 +1067,8 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
         "config": config_lib.to_dict(resolved),
         "data": {"source": data.source, "question_kind": data.question_kind,
                  "train_questions": len(td.questions), "eval_questions": len(data.eval_questions),
-                 "train_articles": len(data.train_articles), "eval_articles": len(data.eval_articles),
+                 "train_articles": data.num_articles[0], "eval_articles": data.num_articles[1],
+                 "train_passages": len(data.train_passages), "eval_passages": len(data.eval_passages),
                  "train_questions_dropped_too_long": td.dropped},
         "model": {"params": params, **{f: getattr(model_cfg, f) for f in ("num_layers", "hidden_size", "num_heads",
                                                                           "num_kv_heads", "vocab_size")}},

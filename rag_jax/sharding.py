@@ -8,7 +8,10 @@ so one table serves 1 CPU up to a pod (research note jax_frameworks.md sections 
 
 FSDP = ``embed`` over ``fsdp``; tensor parallelism = ``heads``/``kv_heads``/``mlp``/``vocab`` over
 ``tensor``; data parallelism = ``batch`` over ``data`` (and ``fsdp``, ZeRO-3 style: FSDP shards params
-and the batch alike).
+and the batch alike). Activations use ``batch``, ``seq`` and ``activation_embed`` (the hidden width of
+activations, over ``tensor`` only: MaxText's ``activation_embed``), applied with ``constrain`` inside
+``activation_rules``; without such hints GSPMD may keep a large activation sharded like a parameter
+(over ``fsdp`` on its width) and replicate it over the batch.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def _examples(seed):
     rng = np.random.default_rng(seed)
     out = []
     for n_blocks, resp in ((4, 5), (2, 3)):
-        blocks = tuple(tuple(rng.integers(1, CFG.vocab_size, int(rng.integers(2, 8))).tolist()) for _ in range(n_blocks))
+        blocks = [rng.integers(1, CFG.vocab_size, int(rng.integers(2, 8))).tolist() for _ in range(n_blocks)]
         out.append(BlockExample(blocks, tuple(rng.integers(1, CFG.vocab_size, resp).tolist())))
     return out
 

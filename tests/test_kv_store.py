@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rag_jax.inference.kv_store import KVStore, cache_key, model_fingerprint
-from rag_jax.model.kv import KVSegment
+from rag_jax.model import KVSegment
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
 

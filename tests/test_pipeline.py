@@ -12,34 +12,34 @@ VOCAB = 384
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("tfds")
-    tok_path = text_tfds.prepare_text_dataset("phantom_text/tiny", data_dir, VOCAB)
+    tok_path = text_tfds.prepare_text_dataset("phantom_wiki/articles_p60_s0", data_dir, VOCAB)
     return data_dir, tok_path
 
 
 def _cfg(data_dir, **kw):
-    return pipeline.DataConfig(data_dir=str(data_dir), dataset="phantom_text/tiny", seq_len=kw.pop("seq_len", 96),
-                               num_packing_bins=kw.pop("num_packing_bins", 3), **kw)
+    return pipeline.DataConfig(data_dir=str(data_dir), dataset="phantom_wiki/articles_p60_s0",
+                               seq_len=kw.pop("seq_len", 96), num_packing_bins=kw.pop("num_packing_bins", 3), **kw)
 
 
-def test_builder_writes_array_record_splits(prepared):
+def test_builder_writes_array_record_and_holds_out_articles(prepared):
     data_dir, _ = prepared
-    builder = text_tfds.builder("phantom_text/tiny", data_dir)
-    files = sorted(p.name for p in builder.data_path.iterdir())
-    assert any(".array_record-" in f for f in files)
-    src = builder.as_data_source()
-    articles = sorted(generate_universe(num_people=60, seed=0, num_questions=0).articles, key=lambda a: a["title"])
-    assert len(src["validation"]) == len(articles[::10]) and len(src["train"]) + len(src["validation"]) == len(articles)
-    held_out = {src["validation"][i]["title"].decode() for i in range(len(src["validation"]))}
-    train = {src["train"][i]["title"].decode(): src["train"][i]["text"].decode() for i in range(len(src["train"]))}
-    assert held_out.isdisjoint(train)
-    assert train[articles[1]["title"]] == articles[1]["article"]
+    builder = text_tfds.builder("phantom_wiki/articles_p60_s0", data_dir)
+    assert any(".array_record-" in p.name for p in builder.data_path.iterdir())
+    train, held_out = (text_tfds.data_source("phantom_wiki/articles_p60_s0", data_dir, s)
+                       for s in ("train", "validation"))
+    articles = {a["title"]: a["article"] for a in generate_universe(num_people=60, seed=0, num_questions=0).articles}
+    assert len(held_out) == 6 and len(train) + len(held_out) == len(articles) == 60
+    train_text = {train[i]["title"].decode(): train[i]["article"].decode() for i in range(len(train))}
+    held_titles = {held_out[i]["title"].decode() for i in range(len(held_out))}
+    assert held_titles.isdisjoint(train_text) and held_titles | set(train_text) == set(articles)
+    assert all(articles[t] == text for t, text in train_text.items())
 
 
 def _documents(data_dir, tok_path, split="train"):
     tok = load_tokenizer(tok_path)
-    src = text_tfds.builder("phantom_text/tiny", data_dir).as_data_source(split=split)
+    src = text_tfds.data_source("phantom_wiki/articles_p60_s0", data_dir, split)
     bos, eos = tok.token_to_id("<bos>"), tok.token_to_id("<eos>")
-    return [tuple([bos] + tok.encode(src[i]["text"].decode()).ids + [eos]) for i in range(len(src))]
+    return [tuple([bos] + tok.encode(src[i]["article"].decode()).ids + [eos]) for i in range(len(src))]
 
 
 def _segments(batch):
@@ -144,3 +144,5 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
         pipeline.check_dataset(pipeline.DataConfig(), 512)
     with pytest.raises(ValueError, match="dataset 'c4' is not known"):
         text_tfds.builder("c4", tmp_path)
+    with pytest.raises(ValueError, match="split='test'"):
+        text_tfds.SplitView([], "test")

@@ -50,7 +50,8 @@ def test_global_batch_must_divide_data_parallel_size():
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
     assert sharding.data_parallel_size(mesh) == 4
     sharding.check_global_batch(8, mesh)
-    with pytest.raises(ValueError, match=r"global batch size 6 must be a positive multiple of the data-parallel size 4"):
+    with pytest.raises(ValueError, match=r"global batch size 6 must be a positive multiple of the data-parallel "
+                                         r"size 4"):
         sharding.check_global_batch(6, mesh)
     with pytest.raises(ValueError, match=r"grad_accum_steps 2 = 8"):
         sharding.check_global_batch(12, mesh, accum_steps=2)

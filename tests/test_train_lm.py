@@ -15,7 +15,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "train" / "configs"
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tfds")
-    prepare_text_dataset("phantom_text/tiny", path, 512)
+    prepare_text_dataset("phantom_wiki/articles_p60_s0", path, 512)
     return path
 
 
@@ -23,7 +23,8 @@ def test_training_reduces_held_out_loss(data_dir, tmp_path):
     cfg = trainer.load_run_config(CONFIGS / "tiny.yaml", [
         f"data.data_dir={data_dir}", f"train.run_dir={tmp_path / 'run'}", "train.steps=30", "train.eval_every=30",
         "model.num_layers=1", "data.seq_len=128", "data.eval_batches=2", "logging.peak_flops_per_device=1e12",
-        "mesh.data=2", "mesh.fsdp=-1", "train.grad_accum_steps=2", "train.global_batch_size=16", "logging.progress_bar=false"])
+        "mesh.data=2", "mesh.fsdp=-1", "train.grad_accum_steps=2", "train.global_batch_size=16",
+        "logging.progress_bar=false"])
     result = trainer.run(cfg)
     (step0, first), (step30, last) = result["eval"]
     assert (step0, step30) == (0, 30) and result["step"] == 30
@@ -70,10 +71,10 @@ def no_compile(monkeypatch):
     (["mesh.data=3", "mesh.fsdp=2"], ValueError, r"mesh .* has 6 devices but 8 are available"),
     (["train.global_batch_size=12"], ValueError, r"global batch size 12 must be a positive multiple of the "
                                                  r"data-parallel size 8"),
-    (["data.data_dir=/nonexistent/tfds"], FileNotFoundError, r"dataset directory /nonexistent/tfds/phantom_text/"
-                                                             r"tiny/1.0.0 does not exist"),
-    (["model.vocab_size=300", "data.tokenizer={data_dir}/tokenizers/phantom_text_tiny_bpe512.json"], ValueError,
-     r"tokenizer .* has 512 tokens but model.vocab_size=300"),
+    (["data.data_dir=/nonexistent/tfds"], FileNotFoundError, r"dataset directory /nonexistent/tfds/phantom_wiki/"
+                                                             r"articles_p60_s0/1.0.0 does not exist"),
+    (["model.vocab_size=300", "data.tokenizer={data_dir}/tokenizers/phantom_wiki_articles_p60_s0_bpe512.json"],
+     ValueError, r"tokenizer .* has 512 tokens but model.vocab_size=300"),
 ])
 def test_bad_input_fails_before_compiling(data_dir, no_compile, overrides, error, match):
     overrides = [o.format(data_dir=data_dir) for o in overrides]

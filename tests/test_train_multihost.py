@@ -53,7 +53,7 @@ def _overrides(data_dir, out, steps=20):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multihost")
     data_dir = tmp / "tfds"
-    prepare_text_dataset("phantom_text/tiny", data_dir, 512)
+    prepare_text_dataset("phantom_wiki/articles_p60_s0", data_dir, 512)
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}

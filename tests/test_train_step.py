@@ -25,7 +25,9 @@ def _batch(seed=0, batch=8, seq=24):
 
 
 def _step(tx, init, *, accum=1, remat="none", precision="fp32", steps=1):
-    """``steps`` train steps from the host state ``init`` (one init compile shared by all tests)."""
+    """``steps`` train steps from the host state ``init`` (one init compile shared by all tests).
+
+    Also checks that the step donates its input state (the old buffers are freed)."""
     mesh = sharding.make_mesh(MESH_CFG)
     cfg = step_lib.apply_precision(CFG, precision)
     graphdef, abstract, specs = step_lib.abstract_train_state(cfg, tx, seed=0, remat_policy=remat)
@@ -35,14 +37,17 @@ def _step(tx, init, *, accum=1, remat="none", precision="fp32", steps=1):
     bs = NamedSharding(mesh, sharding.logical_to_spec(("batch",), mesh))
     metrics = []
     for i in range(steps):
+        old_leaf = jax.tree.leaves(state.params)[0]
         state, m = train_step(state, {k: jax.device_put(v, bs) for k, v in _batch(i).items()})
+        assert old_leaf.is_deleted() and int(state.step) == i + 1
         metrics.append(jax.device_get(m))
     return state, metrics
 
 
 @pytest.fixture(scope="module")
 def params():
-    return jax.device_get(step_lib.init_train_state(CFG, optax.sgd(0.5), sharding.make_mesh(MESH_CFG), seed=0)[1].params)
+    _, state, _ = step_lib.init_train_state(CFG, optax.sgd(0.5), sharding.make_mesh(MESH_CFG), seed=0)
+    return jax.device_get(state.params)
 
 
 def _init(tx, params):
@@ -87,19 +92,6 @@ def test_bf16_compute_keeps_fp32_master_params(sgd_reference, params):
     np.testing.assert_allclose(metrics[0]["loss"], ref_metrics[0]["loss"], rtol=2e-2)
     with pytest.raises(ValueError, match="precision='fp16'"):
         step_lib.apply_precision(CFG, "fp16")
-
-
-def test_state_is_donated(params):
-    mesh = sharding.make_mesh(MESH_CFG)
-    tx = optax.sgd(0.1)
-    graphdef, abstract, specs = step_lib.abstract_train_state(CFG, tx)
-    shardings = step_lib.train_state_shardings(abstract, specs, tx, mesh)
-    state = jax.device_put(_init(tx, params), shardings)
-    train_step = step_lib.make_train_step(graphdef, tx, LMLoss(), shardings, mesh)
-    bs = NamedSharding(mesh, sharding.logical_to_spec(("batch",), mesh))
-    old_leaf = jax.tree.leaves(state.params)[0]
-    new_state, _ = train_step(state, {k: jax.device_put(v, bs) for k, v in _batch().items()})
-    assert old_leaf.is_deleted() and int(new_state.step) == 1
 
 
 def test_learning_rate_schedule():

@@ -1,6 +1,6 @@
 """Build the tfds ArrayRecord text dataset and its BPE tokenizer (run once, before training).
 
-``python -m train.prepare_data --data_dir /data/tfds --dataset phantom_text/small --vocab_size 4096``
+``python -m train.prepare_data --data_dir /data/tfds --dataset phantom_wiki/articles_p400_s0 --vocab_size 4096``
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from rag_jax.data.text_tfds import prepare_text_dataset
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", required=True, help="tfds data folder")
-    parser.add_argument("--dataset", default="phantom_text/tiny", help="phantom_text/{tiny,small,medium}")
+    parser.add_argument("--dataset", default="phantom_wiki/articles_p60_s0",
+                        help="phantom_wiki/articles or phantom_wiki/articles_p<people>_s<seed>")
     parser.add_argument("--vocab_size", type=int, default=512, help="BPE vocabulary size (<= model.vocab_size)")
     args = parser.parse_args(argv)
     path = prepare_text_dataset(args.dataset, args.data_dir, args.vocab_size)

@@ -1,5 +1,7 @@
 """Grain input pipeline for LM training: tfds ArrayRecord source -> shuffle -> tokenize -> pack -> batch.
 
+The source is the project's text (``rag_jax.data.text_tfds``: PhantomWiki articles, train/validation).
+
 Rows are packed first-fit (``grain.experimental.FirstFitPackIterDataset``) into ``seq_len`` tokens with
 ``segment_ids`` (1, 2, ... per document, 0 = padding) and ``positions`` restarting at 0 per document;
 the LM objective runs the core's ``block`` mask on them, so packed documents never attend to each
@@ -33,7 +35,7 @@ class DataConfig:
 
     Attributes:
       data_dir: tfds data folder holding the prepared dataset (``python -m train.prepare_data``).
-      dataset: tfds name ``phantom_text/<config>``.
+      dataset: ``phantom_wiki/articles`` or ``phantom_wiki/articles_p<people>_s<seed>`` (rag_jax.data.text_tfds).
       tokenizer: ``tokenizer.json`` path; None = the one ``prepare_data`` wrote for this dataset.
       seq_len: tokens per packed row.
       num_shards: logical data shards; None = the number of processes. Fix it to keep the data order
@@ -45,7 +47,7 @@ class DataConfig:
     """
 
     data_dir: str | None = None
-    dataset: str = "phantom_text/tiny"
+    dataset: str = "phantom_wiki/articles_p60_s0"
     tokenizer: str | None = None
     seq_len: int = 256
     num_shards: int | None = None
@@ -93,7 +95,7 @@ class _Tokenize(grain.transforms.Map):
     def map(self, element):
         if self._tok is None:  # built lazily: a Tokenizer per worker, nothing unpicklable in the graph
             self._tok = load_tokenizer(self._path)
-        ids = self._tok.encode(element["text"].decode("utf-8")).ids
+        ids = self._tok.encode(element[text_tfds.TEXT_FIELD].decode("utf-8")).ids
         bos, eos = self._tok.token_to_id("<bos>"), self._tok.token_to_id("<eos>")
         ids = ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])
         return {"tokens": np.asarray(ids, np.int32)}
@@ -157,7 +159,7 @@ def make_lm_dataset(cfg: DataConfig, *, split: str, global_batch: int, tokenizer
     if start % per_shard or stop % per_shard:
         raise ValueError(f"rows [{start}, {stop}) of this process do not align with data shards of {per_shard} rows; "
                          f"make data.num_shards a multiple of the process count")
-    source = text_tfds.builder(cfg.dataset, cfg.data_dir).as_data_source(split=split)
+    source = text_tfds.data_source(cfg.dataset, cfg.data_dir, split)
     max_fan_out = 64
     shards = []
     for s in range(start // per_shard, stop // per_shard):

@@ -1,98 +1,71 @@
-"""The project's text corpus as a tensorflow-datasets builder in ``array_record`` format (no TensorFlow).
+"""The project's LM text: PhantomWiki articles from the ``phantom_wiki`` tfds builder (ArrayRecord, no TensorFlow).
 
-``phantom_text``: one example per PhantomWiki-style article (``rag_jax.data.phantom.generate_universe``,
-or an ``articles.json`` of the official generator), ``{"title": str, "text": str}``. Every 10th article
-(sorted by title) goes to ``validation``, the rest to ``train``, so held-out loss is measured on
-articles never trained on. ArrayRecord gives grain random access (research note jax_frameworks.md 2.6).
+Dataset names: ``phantom_wiki/articles`` (the builder's registered 100-person universe) or
+``phantom_wiki/articles_p<people>_s<seed>`` (any generated universe, e.g. ``articles_p60_s0``), built
+by ``rag_jax.data.phantom_tfds`` into ``<data_dir>/phantom_wiki/<config>/1.0.0`` (tfds writes to an
+``incomplete.*`` folder and renames it, so a partial build is never read).
 
-``prepare_text_dataset`` builds it (tfds writes to an ``incomplete.*`` folder and renames it, so a
-partial build is never read) and trains a byte-level BPE tokenizer on the train split
-(``rag_jax.data.tokenizer.train_bpe``), written atomically next to it.
+The builder stores every article in ``train``; the LM held-out split is made here by record index:
+every ``VALIDATION_EVERY``-th record is ``validation``, the rest ``train``, so held-out loss is measured
+on articles never trained on. ``prepare_text_dataset`` also trains the byte-level BPE tokenizer on the
+train records (``rag_jax.data.tokenizer.train_bpe``), written atomically next to the dataset.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
+import re
 from pathlib import Path
 
-import tensorflow_datasets as tfds
-from etils import epath
-
-from rag_jax.data.phantom import generate_universe
+from rag_jax.data import phantom_tfds
 from rag_jax.data.tokenizer import load_tokenizer, train_bpe
 
 VALIDATION_EVERY = 10
+TEXT_FIELD = "article"
+SPLITS = ("train", "validation")
+_CUSTOM = re.compile(r"articles_p(\d+)_s(\d+)")
 
 
-@dataclasses.dataclass
-class PhantomTextConfig(tfds.core.BuilderConfig):
-    """num_people/seed: arguments of ``generate_universe``; articles_json: read this file instead."""
+def builder_config(name: str) -> phantom_tfds.PhantomWikiConfig | str:
+    """``phantom_wiki/articles`` or ``phantom_wiki/articles_p<people>_s<seed>`` -> the builder config.
 
-    num_people: int = 100
-    seed: int = 0
-    articles_json: str | None = None
-
-
-class PhantomText(tfds.core.GeneratorBasedBuilder):
-    """Articles of a generated PhantomWiki universe as plain text (title + article)."""
-
-    VERSION = tfds.core.Version("1.0.0")
-
-    # tfds resolves a package builder's source path through `importlib_resources`, which it does not
-    # install; the plain file path is what it would find anyway.
-    @tfds.core.utils.classproperty
-    @classmethod
-    def code_path(cls) -> epath.Path:
-        return epath.Path(__file__)
-
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
-    BUILDER_CONFIGS = [
-        PhantomTextConfig(name="tiny", description="60 people, seed 0", num_people=60, seed=0),
-        PhantomTextConfig(name="small", description="400 people, seed 0", num_people=400, seed=0),
-        PhantomTextConfig(name="medium", description="3000 people, seed 0", num_people=3000, seed=0),
-    ]
-
-    def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description="PhantomWiki-style fictional articles (rag_jax.data.phantom), one example per article.",
-            features=tfds.features.FeaturesDict({"title": tfds.features.Text(), "text": tfds.features.Text()}),
-        )
-
-    def _articles(self) -> list[dict]:
-        cfg = self.builder_config
-        if cfg.articles_json:
-            articles = json.loads(Path(cfg.articles_json).read_text())
-        else:
-            articles = generate_universe(num_people=cfg.num_people, seed=cfg.seed, num_questions=0).articles
-        return sorted(articles, key=lambda a: a["title"])
-
-    def _split_generators(self, dl_manager):
-        articles = self._articles()
-        return {
-            "train": self._generate_examples([a for i, a in enumerate(articles) if i % VALIDATION_EVERY]),
-            "validation": self._generate_examples(articles[::VALIDATION_EVERY]),
-        }
-
-    def _generate_examples(self, articles):
-        for a in articles:
-            yield a["title"], {"title": a["title"], "text": a["article"]}
-
-
-def builder(name: str, data_dir: str | Path) -> PhantomText:
-    """``name`` is ``phantom_text/<config>`` (tiny, small, medium) or ``phantom_text`` (= tiny).
-
-    Raises:
-      ValueError: unknown dataset or config name.
+    Raises ValueError for any other name.
     """
-    ds_name, _, config = name.partition("/")
-    if ds_name != "phantom_text":
-        raise ValueError(f"dataset {name!r} is not known; valid: phantom_text/<config> with config in "
-                         f"{[c.name for c in PhantomText.BUILDER_CONFIGS]}")
-    valid = {c.name for c in PhantomText.BUILDER_CONFIGS}
-    if config and config not in valid:
-        raise ValueError(f"dataset config {config!r} of phantom_text is not known; valid: {sorted(valid)}")
-    return PhantomText(config=config or "tiny", data_dir=str(data_dir), file_format="array_record")
+    ds, _, config = name.partition("/")
+    if ds == "phantom_wiki" and config == "articles":
+        return config
+    match = _CUSTOM.fullmatch(config) if ds == "phantom_wiki" else None
+    if match is None:
+        raise ValueError(f"dataset {name!r} is not known; valid: 'phantom_wiki/articles' or "
+                         "'phantom_wiki/articles_p<people>_s<seed>' (e.g. phantom_wiki/articles_p60_s0)")
+    return phantom_tfds.PhantomWikiConfig(name=config, kind="articles", num_people=int(match[1]),
+                                          seed=int(match[2]), num_questions=0,
+                                          description=f"{match[1]} people, seed {match[2]}: articles")
+
+
+def builder(name: str, data_dir: str | Path) -> phantom_tfds.PhantomWiki:
+    """The (possibly not yet built) tfds builder of dataset ``name`` under ``data_dir``."""
+    return phantom_tfds.PhantomWiki(config=builder_config(name), data_dir=str(data_dir), file_format="array_record")
+
+
+class SplitView:
+    """Random-access view (``len``, ``[i]``) of one LM split of the builder's ``train`` records."""
+
+    def __init__(self, source, split: str):
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}; valid: {SPLITS}")
+        self._source = source
+        held_out = split == "validation"
+        self._index = [i for i in range(len(source)) if (i % VALIDATION_EVERY == 0) == held_out]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int):
+        return self._source[self._index[i]]
+
+
+def data_source(name: str, data_dir: str | Path, split: str) -> SplitView:
+    """Records ``{"title", "article", "facts"}`` (text as bytes) of ``split`` ("train" or "validation")."""
+    return SplitView(builder(name, data_dir).as_data_source(split="train"), split)
 
 
 def tokenizer_path(name: str, data_dir: str | Path, vocab_size: int) -> Path:
@@ -101,13 +74,11 @@ def tokenizer_path(name: str, data_dir: str | Path, vocab_size: int) -> Path:
 
 def prepare_text_dataset(name: str, data_dir: str | Path, vocab_size: int) -> Path:
     """Build the dataset (if absent) and its BPE tokenizer (if absent); returns the tokenizer path."""
-    b = builder(name, data_dir)
-    b.download_and_prepare()
+    phantom_tfds.prepare(data_dir, builder_config(name))
     path = tokenizer_path(name, data_dir, vocab_size)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        train = b.as_data_source(split="train")
-        texts = (train[i]["text"].decode("utf-8") for i in range(len(train)))
-        train_bpe(texts, vocab_size, save_path=path)
+        train = data_source(name, data_dir, "train")
+        train_bpe((train[i][TEXT_FIELD].decode("utf-8") for i in range(len(train))), vocab_size, save_path=path)
     load_tokenizer(path)
     return path

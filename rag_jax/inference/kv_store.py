@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax.model.kv import KVSegment
+from rag_jax.model import KVSegment
 
 
 def model_fingerprint(model_or_state, config=None) -> str:

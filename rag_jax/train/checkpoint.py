@@ -45,11 +45,13 @@ class Checkpointer:
         if cfg.dir is None:
             raise ValueError("checkpoint.dir is not set")
         self.cfg = cfg
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
+                                               create=True)
         self.manager = ocp.CheckpointManager(Path(cfg.dir).absolute() if "://" not in cfg.dir else cfg.dir,
                                              options=options, item_names=("state", "data_iter"))
 
-    def save(self, step: int, state: Any, data_iter: grain.DatasetIterator | None = None, *, force: bool = False) -> bool:
+    def save(self, step: int, state: Any, data_iter: grain.DatasetIterator | None = None, *,
+             force: bool = False) -> bool:
         """Start saving (async) if ``step`` is a multiple of ``save_every`` (or ``force``); returns whether a
         save started. (The interval is decided here: orbax's default policy also saves the first step.)"""
         if not force and step % self.cfg.save_every:

@@ -12,8 +12,10 @@
   then put the local tensor back in). Without them each shard only sees its own passages.
   Gradient scale: the reference's DDP averages the shard gradients, giving ``(1/W)·∇L_global``
   (notes §1.1). We return the exact ``∇L_global`` instead (the sum of the shard-local gradients),
-  so the shard_map path and the plain global computation under ``jit`` agree in value and gradient;
-  under Adam the two differ only through ε.
+  so the shard_map path and the plain global computation under ``jit`` agree in value and gradient.
+  Alone, the two scales differ under Adam only through ε; in the unified loss the reference's 1/W also
+  weights L_Rep against L_Gen (whose DDP average is exact), so its balance corresponds to ours with
+  ``loss_gen_factor = W·λ_Gen`` (W = number of data-parallel shards).
 - ``L_Gen`` (Eq. 2, reference ``NextTokenLoss``): next-token cross-entropy on response tokens only.
   ``"mixed"`` (GritLM-7B): token-mean within sub-batches of ``gen_sub_batch_size`` samples, then the
   mean over sub-batches ("Mix (32 → 8)", notes §1.2). ``"token"`` (GritLM-8x7B): sum of token
