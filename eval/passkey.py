@@ -95,14 +95,29 @@ def synthetic_kv_example(rng: np.random.Generator, max_len: int) -> tuple[str, s
     return kv_prompt(records, key), f' "{value}"'
 
 
+def repeat_example(rng: np.random.Generator, length: int) -> str:
+    """Random digit strings, each repeated after some filler: dense copy targets that make induction heads form
+    quickly (Olsson et al. 2022), the mechanism passkey and KV retrieval need."""
+    sentences = FILLER.split(". ")
+    text = ""
+    while len(text) < length:
+        digits = "".join(rng.choice(list("0123456789"), int(rng.integers(5, 16))))
+        gap = ". ".join(rng.choice(sentences, int(rng.integers(1, 4))))
+        text += f"{digits}. {gap}. {digits}. "
+    return text[:length]
+
+
 def training_batch(rng: np.random.Generator, batch: int, seq_len: int) -> dict[str, np.ndarray]:
-    """Passkey prompts with their answers (3 rows of 4) and synthetic KV prompts (1 of 4), one per padded row."""
+    """Rows (each padded): passkey prompts with their answers (half), repeated digit strings (a quarter),
+    synthetic KV prompts (a quarter)."""
     tokens = np.zeros((batch, seq_len), np.int32)
     segment_ids = np.zeros((batch, seq_len), np.int32)
     for row in range(batch):
-        if row % 4 != 3:
+        if row % 4 in (0, 1):
             prompt, key = passkey_example(rng, int(rng.integers(MIN_PASSKEY_LEN, seq_len - 8)), rng.random())
             ids = np.concatenate([prompt, encode(key + ".")])
+        elif row % 4 == 2:
+            ids = encode(repeat_example(rng, seq_len))
         else:
             text, answer = synthetic_kv_example(rng, seq_len)
             ids = encode(text + answer)[:seq_len]
@@ -178,7 +193,7 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--checkpoint", type=Path, default=ROOT / "runs" / "passkey_model",
                    help="model folder: loaded if it exists, else trained and saved there")
-    p.add_argument("--train-steps", type=int, default=2000)
+    p.add_argument("--train-steps", type=int, default=2500)
     p.add_argument("--train-len", type=int, default=256, help="training context in tokens (<= 1024)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)

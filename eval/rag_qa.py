@@ -5,10 +5,10 @@ SQuAD-normalized exact match (EM), token F1, best-subspan EM (gold is a substrin
 Lost in the Middle) and PhantomWiki's set EM / set-F1 (split on commas, lowercase, compare as sets).
 
 - PhantomWiki folder (``articles.json`` + ``questions.json``): the questions the demo would hold out
-  (same selection and seeded split as ``rag-jax demo --data``; ``--split all`` scores every selected
-  question). Conditions: no retrieval; the top-k articles of a ScaNN index (MiniLM or the checkpoint
-  in GRIT embedding mode) under full attention and under Block-Attention with KV reuse; the gold
-  article(s) forced into the top k. For answer sets the SQuAD metrics compare against the
+  (same selection, section passages and seeded split as ``rag-jax demo --data``; ``--split all``
+  scores every selected question). Conditions: no retrieval; the top-k passages of a ScaNN index
+  (MiniLM or the checkpoint in GRIT embedding mode) under full attention and under Block-Attention
+  with KV reuse; the gold passage(s) forced into the top k. For answer sets the SQuAD metrics compare against the
   comma-joined set.
 - NQ-open oracle (``nq-open-oracle.jsonl.gz``, Liu et al. 2024): each question with its gold passage
   (oracle context; full and block attention) and without context. Answers are alternatives: every
@@ -76,15 +76,15 @@ def eval_phantomwiki(args, cfg, model, tokenizer) -> tuple[dict, list[dict]]:
         grit = GritEmbedder(model, tokenizer, max_length=cfg.train.passage_max_len or 256, fmt=demo.grit_format())
         embed_docs = grit.embed
         embed_queries = lambda x: grit.embed(x, instruction=cfg.train.grit_instruction)  # noqa: E731
-    ranked, recall = demo.retrieval_eval(args.retriever, embed_docs, embed_queries, data.eval_articles, questions,
-                                         (1, k, 5), cfg.retrieval.scann, k + 1)
-    passages = {a["title"]: demo.passage_text(a["title"], a["article"]) for a in data.eval_articles}
+    docs = [p["text"] for p in data.eval_passages]
+    ranked, recall = demo.retrieval_eval(args.retriever, embed_docs, embed_queries, docs,
+                                         [q["question"] for q in questions], [q["gold"] for q in questions],
+                                         [q["hops"] for q in questions], (1, k, 5), cfg.retrieval.scann, k + 1)
     prompts = {
         "no retrieval": [demo.rag_example(tokenizer, q["question"], []).blocks for q in questions],
-        "retrieval": [demo.rag_example(tokenizer, q["question"], [passages[t] for t in r[:k]]).blocks
+        "retrieval": [demo.rag_example(tokenizer, q["question"], [docs[j] for j in r[:k] if j >= 0]).blocks
                       for q, r in zip(questions, ranked)],
-        "gold": [demo.rag_example(tokenizer, q["question"],
-                                  [passages[t] for t in demo._resolve_eval_passages(r, q["titles"], k)]).blocks
+        "gold": [demo.rag_example(tokenizer, q["question"], [docs[j] for j in demo.with_gold(r, q["gold"], k)]).blocks
                  for q, r in zip(questions, ranked)],
     }
     ba = BlockAttention(model, store=KVStore(max_bytes=1 << 30))

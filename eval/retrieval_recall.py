@@ -1,11 +1,13 @@
 """Retrieval recall@k on a PhantomWiki folder: pretrained MiniLM vs a demo checkpoint in GRIT embedding mode.
 
-Every article is embedded (``passage_text``: the article as written) into a ScaNN index
-(``rag_jax.retrieval.scann_index``, size rules: brute force below 20K articles; ``--exact`` adds the
-exact JAX index as a cross-check); each question (as is for MiniLM, with the checkpoint's instruction
-for GRIT) retrieves its top k. Gold = the question's evidence titles (``titles``, or derived from its
-Prolog query by ``rag_jax.data.loaders``). Reported per embedder and per hop count:
-recall@k = mean fraction of gold titles in the top k; hit@k = any gold title in the top k
+Articles are cut into section passages as in ``rag-jax demo`` (``rag_jax.demo.split_article``:
+``# Name`` + one ``## Family`` / ``## Friends`` / ``## Attributes`` section each) and embedded into a
+ScaNN index (``rag_jax.retrieval.scann_index``, size rules: brute force below 20K passages;
+``--exact`` adds the exact JAX index as a cross-check); each question (as is for MiniLM, with the
+checkpoint's instruction for GRIT) retrieves its top k. Gold passages = the sections of the evidence
+articles (``titles``, or derived from the Prolog query by ``rag_jax.data.loaders``) that state the
+query's predicates (``rag_jax.demo.select_questions``). Reported per embedder and per hop count:
+recall@k = mean fraction of gold passages in the top k; hit@k = any gold passage in the top k
 (``rag_jax.metrics``). NQ retrieval (MiniLM, exact vs ScaNN) is ``eval/retrieval_nq.py``.
 
     python eval/retrieval_recall.py --data ../shared/data/phantomwiki/depth6_seed11 --checkpoint runs/demo/checkpoint
@@ -52,8 +54,9 @@ def main(argv=None) -> dict:
         data = load_phantomwiki(args.data)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
-    articles, questions = demo._as_dicts(data.articles, data.questions)
-    questions = demo.select_questions(questions, articles, args.questions, args.max_hops, num_passages=10**6)
+    articles, questions = demo.as_dicts(data.articles, data.questions)
+    passages = demo.article_passages(articles)
+    questions = demo.select_questions(questions, passages, args.questions, args.max_hops, num_passages=10**6)
     if not questions:
         p.error(f"no question of kind {args.questions!r} with <= {args.max_hops} hops has gold titles")
 
@@ -75,23 +78,26 @@ def main(argv=None) -> dict:
             grit.embed, lambda x: grit.embed(x, instruction=cfg.train.grit_instruction))
         scann = cfg.retrieval.scann
 
-    report = {"dataset": str(args.data), "articles": len(articles), "questions": len(questions),
-              "question_kind": args.questions, "ks": list(ks), "results": {}}
-    for name, (docs, queries) in embedders.items():
-        ranked, res = demo.retrieval_eval(name, docs, queries, articles, questions, ks, scann, max(ks))
+    report = {"dataset": str(args.data), "articles": len(articles), "passages": len(passages),
+              "questions": len(questions), "question_kind": args.questions, "ks": list(ks), "results": {}}
+    texts = [p["text"] for p in passages]
+    q_texts = [q["question"] for q in questions]
+    for name, (embed_docs, embed_queries) in embedders.items():
+        ranked, res = demo.retrieval_eval(name, embed_docs, embed_queries, texts, q_texts,
+                                          [q["gold"] for q in questions], [q["hops"] for q in questions], ks, scann,
+                                          max(ks))
         if args.exact:
             from rag_jax.retrieval.exact import ExactIndex
-            d = docs([demo.passage_text(a["title"], a["article"]) for a in articles])
+            d = embed_docs(texts)
             index = ExactIndex(d.shape[1])
             index.add(d, np.arange(len(d)))
-            _, ids = index.search(queries([q["question"] for q in questions]), max(ks))
-            exact = [[articles[i]["title"] for i in row] for row in ids]
-            res["agree_with_exact"] = float(np.mean([len(set(a) & set(b)) / max(len(b), 1)
+            _, exact = index.search(embed_queries(q_texts), max(ks))
+            res["agree_with_exact"] = float(np.mean([len(set(a[:max(ks)]) & set(b)) / len(b)
                                                      for a, b in zip(ranked, exact)]))
         report["results"][name] = res
 
-    print(f"# {args.data}: {len(articles)} articles, {len(questions)} questions ({args.questions}, "
-          f"<= {args.max_hops} hops); index: ScaNN")
+    print(f"# {args.data}: {len(articles)} articles -> {len(passages)} section passages, {len(questions)} questions "
+          f"({args.questions}, <= {args.max_hops} hops); index: ScaNN")
     cols = [f"recall@{k}" for k in ks] + [f"hit@{k}" for k in ks]
     print("| embedder | hops | questions | " + " | ".join(cols) + " | seconds |")
     print("|---|---:|---:|" + "---:|" * (len(cols) + 1))

@@ -8,28 +8,31 @@ Pipeline (every stage is the project's own component; this module is only the gl
    questions are split into train / held-out. The default task is 1-hop attribute questions
    ("What is the hobby of Ada Lee?"), whose answer is a span of the person's article: a small model
    can learn to read it from retrieved text in minutes, and cannot guess it without retrieval.
+   Articles are cut into passages, one per section (``# Name`` + ``## Family`` / ``## Friends`` /
+   ``## Attributes``), the usual RAG chunking: a question's gold passages are the sections that state
+   the facts its Prolog query reads.
 2. **Tokenizer**: byte-level BPE trained on the training texts (``rag_jax.data.tokenizer.train_bpe``).
 3. **Training**, one jitted step (``rag_jax.train.step``) with the GRIT objective (GritLM, ICLR 2025,
    Eq. 3: ``L = L_Rep + λ·L_Gen``), where
-   - ``L_Rep`` is GRIT's contrastive loss over (question, gold article, hard negative article) triples
-     in bidirectional embedding mode (``rag_jax.train.objectives.grit.GritLoss``, ``mode="embedding"``);
+   - ``L_Rep`` is GRIT's contrastive loss over (question, gold passage, hard negatives: the person's
+     other sections and passages that mention them) in bidirectional embedding mode (``rag_jax.train.objectives.grit.GritLoss``, ``mode="embedding"``);
    - ``L_Gen`` is the Block-Attention fine-tuning loss (Block-Attention, ICLR 2025, §2.2-2.4;
      ``rag_jax.train.objectives.block.BlockLoss``) on RAG prompts ``[passage blocks..., question
      block] -> answer``, each row trained in full and in block mode. Because this model starts from
      random weights (the papers fine-tune pretrained LMs), passage and question tokens also carry a
      next-token loss with weight ``train.lm_weight`` relative to answer tokens (the objective's
      ``loss_mask`` is a per-token weight).
-4. **Retrieval**: the held-out articles are embedded with pretrained MiniLM
+4. **Retrieval**: the held-out passages are embedded with pretrained MiniLM
    (``rag_jax.retrieval.embedders.BertEmbedder``) and with the trained model in GRIT embedding mode
    (``rag_jax.model.embedding.GritEmbedder``), each into a ScaNN index
-   (``rag_jax.retrieval.scann_index.ScannIndex``); recall@k / hit@k over the gold evidence titles.
-5. **Answers** to held-out questions (greedy): without retrieval; with the top-k retrieved articles
+   (``rag_jax.retrieval.scann_index.ScannIndex``); recall@k / hit@k of the gold passages.
+5. **Answers** to held-out questions (greedy): without retrieval; with the top-k retrieved passages
    under full attention; the same prompts under Block-Attention with passage KV reuse
    (``rag_jax.inference.block_attention.BlockAttention`` over a ``KVStore``); and with the gold
-   article(s) forced into the top k (reader upper bound). Scores: PhantomWiki's set exact match and
+   passage(s) forced into the top k (reader upper bound). Scores: PhantomWiki's set exact match and
    set-F1 (``rag_jax.metrics.phantom_set_metrics``).
 6. **TTFT** of full prefill vs Block-Attention with warm passage caches, by prompt length.
-7. **Report**: ``metrics.json``, ``loss.png``, ``ttft.png``, ``train_metrics.jsonl`` (+ TensorBoard), and
+7. **Report**: ``metrics.json``, ``loss.png``, ``ttft.png``, ``metrics.jsonl`` (+ TensorBoard), and
    the checkpoint (orbax train state + ``tokenizer.json`` + resolved ``config.yaml``, loadable with
    :func:`load_checkpoint`), all under the output folder.
 
@@ -106,10 +109,10 @@ class TaskConfig:
 
     Attributes:
       questions: ``attribute`` (1-hop "What is the <attribute> of <name>?"), ``evidence`` (every
-        answer is written in the gold articles, which fit in ``num_passages``), ``all``, or ``auto``
+        answer is written in the gold passages, which fit in ``num_passages``), ``all``, or ``auto``
         (attribute for generated universes, evidence with ``--data``).
       max_hops: keep questions with at most this many hops.
-      num_passages: retrieved articles per prompt (k); each is one Block-Attention block.
+      num_passages: retrieved passages per prompt (k); each is one Block-Attention block.
       heldout_fraction: with ``--data``, the fraction of (selected) questions held out for evaluation.
       split_seed: seed of that split.
     """
@@ -194,7 +197,7 @@ class RetrievalConfig:
     """Attributes:
       retriever: the index that feeds the answering prompts: ``grit`` (the trained model) or ``minilm``.
       ks: cut-offs of the reported recall@k / hit@k.
-      scann: ScaNN index parameters (``auto`` picks brute force below 20K articles).
+      scann: ScaNN index parameters (``auto`` picks brute force below 20K passages).
     """
 
     retriever: str = "minilm"
@@ -365,14 +368,16 @@ def select_questions(questions: Sequence[dict], passages: Sequence[dict], kind: 
     return out
 
 
-def _as_dicts(articles, questions) -> tuple[list[dict], list[dict]]:
+def as_dicts(articles, questions) -> tuple[list[dict], list[dict]]:
+    """``rag_jax.data.loaders`` records -> the plain dicts of ``generate_universe`` (the demo's format)."""
     arts = [{"title": a.title, "article": a.article} for a in articles]
     qs = [{"id": q.id, "question": q.question, "answer": list(q.answer), "hops": q.hops,
            "titles": list(q.titles) if q.titles is not None else None, "prolog": q.prolog} for q in questions]
     return arts, qs
 
 
-def _passages(articles: Sequence[dict]) -> list[dict]:
+def article_passages(articles: Sequence[dict]) -> list[dict]:
+    """Every article's section passages (``split_article``), in article order."""
     return [p for a in articles for p in split_article(a["title"], a["article"])]
 
 
@@ -393,7 +398,7 @@ def prepare_data(cfg: DemoConfig, data_path: str | os.PathLike | None = None) ->
         common = dict(max_hops=u.max_hops, friend_degree=u.friend_degree, max_family_size=u.max_family_size)
         train_u = generate_universe(u.num_people, u.seed, num_questions=u.num_questions, **common)
         eval_u = generate_universe(u.heldout_people, u.seed + 1, num_questions=u.heldout_questions, **common)
-        train_p, eval_p = _passages(train_u.articles), _passages(eval_u.articles)
+        train_p, eval_p = article_passages(train_u.articles), article_passages(eval_u.articles)
         train_q = select_questions(train_u.questions, train_p, kind, task.max_hops, task.num_passages)
         eval_q = select_questions(eval_u.questions, eval_p, kind, task.max_hops, task.num_passages)
         source = (f"generated universes: train seed {u.seed} ({u.num_people} people), "
@@ -403,8 +408,8 @@ def prepare_data(cfg: DemoConfig, data_path: str | os.PathLike | None = None) ->
         from rag_jax.data.loaders import load_phantomwiki
         kind = "evidence" if task.questions == "auto" else task.questions
         data = load_phantomwiki(data_path)
-        articles, questions = _as_dicts(data.articles, data.questions)
-        train_p = eval_p = _passages(articles)
+        articles, questions = as_dicts(data.articles, data.questions)
+        train_p = eval_p = article_passages(articles)
         selected = select_questions(questions, train_p, kind, task.max_hops, task.num_passages)
         random.Random(task.split_seed).shuffle(selected)
         n_eval = max(1, round(len(selected) * task.heldout_fraction)) if selected else 0
@@ -866,7 +871,7 @@ CONDITION_LABELS = {
     "no_retrieval": "no retrieval (question only)",
     "retrieval_full": "retrieved top-{k}, full attention",
     "retrieval_block": "retrieved top-{k}, Block-Attention (KV reuse)",
-    "oracle_block": "gold article(s) in top-{k}, Block-Attention",
+    "oracle_block": "gold passage(s) in top-{k}, Block-Attention",
 }
 
 
