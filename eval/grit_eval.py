@@ -16,8 +16,8 @@ plus distractors) with the model in GRIT embedding mode (``GritEmbedder``; queri
 instruction, passages without), pretrained MiniLM (``BertEmbedder``) on the same corpus as a
 reference, and teacher-forced generation loss / next-token accuracy on held-out answers.
 
-    python eval/grit_eval.py                               # CPU default (train/configs/grit_cpu.yaml)
-    python eval/grit_eval.py --config train/configs/grit_tiny.yaml --no_minilm   # smoke run, ~1 min
+    python eval/grit_eval.py       # CPU default (train/configs/grit_cpu.yaml): ~20 min on 2 busy CPU cores
+    python eval/grit_eval.py --config train/configs/grit_tiny.yaml --no_minilm   # smoke run, ~2 min
     python eval/grit_eval.py steps=400 data.embedding_batch_size=32               # key=value overrides
 """
 from __future__ import annotations

@@ -48,12 +48,6 @@ ANSWER_WITH_PRIOR_CONTEXT = "Optionally using the prior context answer the query
 ANSWER_START = "The answer is"
 
 
-def _trim(seg: KVSegment, n: int) -> KVSegment:
-    """The first ``n`` tokens of a segment (drops the bucket padding of the cached pass)."""
-    return KVSegment(k=seg.k[:, :, :n], v=seg.v[:, :, :n], positions=seg.positions[:, :n],
-                     segment_ids=seg.segment_ids[:, :n])
-
-
 class GritCache:
     """GRIT caching modes over one model (batch of one request, as the paper's latency benchmark).
 
@@ -119,7 +113,7 @@ class GritCache:
         tokens, attn, pm = (np.zeros((1, width), np.int32) for _ in range(3))
         tokens[0, :n], attn[0, :n], pm[0, :n] = ids, 1, pool
         reps, kv = self._cache_pass(self.state, tokens, attn, pm)
-        kv = _trim(kv, n)
+        kv = kv.slice(0, n)
         self.store.put(ids, self.fingerprint, kv.k.dtype, kv, namespace=self._namespace(bos))
         return np.asarray(reps[0]), kv
 

@@ -43,6 +43,11 @@ class KVSegment:
         return self.replace(
             segment_ids=jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), self.segment_ids.shape))
 
+    def slice(self, start: int, stop: int) -> "KVSegment":
+        """Tokens ``[start, stop)`` of this segment (e.g. dropping bucket padding)."""
+        return KVSegment(k=self.k[:, :, start:stop], v=self.v[:, :, start:stop],
+                         positions=self.positions[:, start:stop], segment_ids=self.segment_ids[:, start:stop])
+
     @staticmethod
     def concat(segments: "list[KVSegment]") -> "KVSegment":
         """Concatenate segments along the token axis (attention order = list order)."""

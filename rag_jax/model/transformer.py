@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rag_jax.model.attention import attend
@@ -148,7 +149,8 @@ def check_inputs(cfg: ModelConfig, tokens, positions, segment_ids, mode: str, is
             raise ValueError(f"kv_cache.k shape {tuple(kv_cache.k.shape)} does not match [num_layers={cfg.num_layers}, "
                              f"batch={tokens.shape[0]}, len, num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}]")
     if _is_concrete(tokens) and tokens.size:
-        lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+        host = np.asarray(tokens)  # NumPy reductions: also safe for NumPy constants inside a jit trace
+        lo, hi = int(host.min()), int(host.max())
         if lo < 0 or hi >= cfg.vocab_size:
             bad = hi if hi >= cfg.vocab_size else lo
             raise ValueError(f"token id {bad} is outside the vocabulary [0, vocab_size={cfg.vocab_size})")
@@ -218,8 +220,10 @@ class Transformer(nnx.Module):
         else:
             kv_seg = jnp.concatenate([kv_cache.segment_ids, segment_ids], axis=1)
             kv_pos = jnp.concatenate([kv_cache.positions, positions], axis=1)
+        # The embedding pass sees the whole text: no sliding window (GritLM note §3.2).
+        window = None if mode == "bidirectional" else cfg.sliding_window
         mask = build_mask(mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions,
-                          kv_positions=kv_pos, sliding_window=cfg.sliding_window)
+                          kv_positions=kv_pos, sliding_window=window)
         inv_freq = self.inv_freq
         layer_fn = self._layer_fn()
         x = self.embed(tokens)
