@@ -51,14 +51,21 @@ def prefill_flops(cfg: ModelConfig, q_len: int, context: int) -> float:
     return dense + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (compilation, allocation)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def median_ms(fns: dict, repeats: int) -> dict[str, float]:
+    """Median wall time (ms) of each function after one warm-up call (compilation, allocation).
+
+    The functions are interleaved within every repeat, so a change in machine load during the run
+    affects all of them alike and their ratios stay fair.
+    """
+    times = {name: [] for name in fns}
+    for fn in fns.values():
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def make_blocks(rng: np.random.Generator, total: int, last_len: int, block_len: int, vocab: int) -> list[list[int]]:
@@ -80,20 +87,24 @@ def hf_model(model: Transformer):
     return hf.eval()
 
 
-def hf_times(hf, blocks: list[list[int]], repeats: int) -> tuple[float, float, int]:
+def hf_functions(hf, blocks: list[list[int]]) -> dict:
+    """HF full prefill and prefill of the last block over the cached prefix (both: first token id)."""
     import torch
     ids = torch.tensor([[t for b in blocks for t in b]])
     prefix = ids.shape[1] - len(blocks[-1])
     with torch.inference_mode():
-        def full():
-            return int(hf(ids, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
         cache = hf(ids[:, :prefix], use_cache=True).past_key_values
 
-        def cached():
-            out = hf(ids[:, prefix:], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache.crop(-(ids.shape[1] - prefix))  # drop the last block again (negative: tokens to remove)
-            return int(out.logits[0, -1].argmax())
-        return median_ms(full, repeats), median_ms(cached, repeats), full()
+    @torch.inference_mode()
+    def full():
+        return int(hf(ids, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
+
+    @torch.inference_mode()
+    def cached():
+        out = hf(ids[:, prefix:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.crop(-(ids.shape[1] - prefix))  # drop the last block again (negative: tokens to remove)
+        return int(out.logits[0, -1].argmax())
+    return {"hf_full": full, "hf_prefix": cached}
 
 
 def main(argv=None) -> list[dict]:
@@ -113,8 +124,16 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--no_hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--pad_multiple", type=int, default=1,
                    help="BlockAttention shape padding (tokens); 1 = exact lengths (the sizes here are fixed)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for both XLA and torch (0 = library defaults); 1 gives stable numbers on a "
+                        "busy machine, where OpenMP/Eigen thread pools slow down badly when oversubscribed")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.threads:
+        # Read when the XLA backend starts (first computation below), not at import.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
+                                   f"{'false' if args.threads == 1 else 'true'} "
+                                   f"intra_op_parallelism_threads={args.threads}").strip()
     sizes = [int(s) for s in args.sizes.split(",")]
     if min(sizes) <= args.last_len:
         raise SystemExit(f"error: every size must exceed --last_len={args.last_len}; got {sizes}")
@@ -133,7 +152,11 @@ def main(argv=None) -> list[dict]:
         if args.dtype != "float32":
             raise SystemExit("error: the HF baseline runs in float32 on CPU; pass --dtype float32 or --no_hf")
         hf = hf_model(model)
-    print(f"backend={jax.default_backend()} devices={jax.device_count()} cpu_threads={os.cpu_count()} "
+        if args.threads:
+            import torch
+            torch.set_num_threads(args.threads)
+    print(f"backend={jax.default_backend()} devices={jax.device_count()} cpu_cores={os.cpu_count()} "
+          f"threads={args.threads or 'default'} "
           f"model: hidden={cfg.hidden_size} layers={cfg.num_layers} heads={cfg.num_heads}/{cfg.num_kv_heads} "
           f"vocab={cfg.vocab_size} dtype={cfg.dtype}; last block {args.last_len} tokens, passage blocks "
           f"{args.block_len} tokens; median of {args.repeats}", flush=True)
@@ -145,18 +168,19 @@ def main(argv=None) -> list[dict]:
         def run(mode):
             return int(jnp.argmax(ba.prefill(blocks, mode=mode, last_only=True).logits[-1]))
 
-        full_ms = median_ms(lambda: run("full"), args.repeats)
         run("block")  # fills the passage caches (not timed: they are warm in the measured setting)
         hits = store.stats["hits"]
-        block_ms = median_ms(lambda: run("block"), args.repeats)
+        fns = {"full": lambda: run("full"), "block": lambda: run("block")}
+        if hf is not None:
+            fns.update(hf_functions(hf, blocks))
+        ms = median_ms(fns, args.repeats)
         assert store.stats["hits"] - hits == (args.repeats + 1) * (len(blocks) - 1), "caches were not warm"
         bound = prefill_flops(cfg, total, 0) / prefill_flops(cfg, args.last_len, total - args.last_len)
-        row = dict(total=total, blocks=len(blocks), full_ms=full_ms, block_ms=block_ms, speedup=full_ms / block_ms,
-                   bound=bound)
+        row = dict(total=total, blocks=len(blocks), full_ms=ms["full"], block_ms=ms["block"],
+                   speedup=ms["full"] / ms["block"], bound=bound)
         if hf is not None:
-            hf_full, hf_prefix, hf_token = hf_times(hf, blocks, args.repeats)
-            row.update(hf_full_ms=hf_full, hf_prefix_ms=hf_prefix, hf_speedup=hf_full / hf_prefix,
-                       same_first_token=hf_token == run("full"))
+            row.update(hf_full_ms=ms["hf_full"], hf_prefix_ms=ms["hf_prefix"],
+                       hf_speedup=ms["hf_full"] / ms["hf_prefix"], same_first_token=fns["hf_full"]() == run("full"))
         rows.append(row)
         store.clear()
         print_table(rows[-1:], header=len(rows) == 1)

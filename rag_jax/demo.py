@@ -19,9 +19,10 @@ Pipeline (every stage is the project's own component; this module is only the gl
    - ``L_Gen`` is the Block-Attention fine-tuning loss (Block-Attention, ICLR 2025, §2.2-2.4;
      ``rag_jax.train.objectives.block.BlockLoss``) on RAG prompts ``[passage blocks..., question
      block] -> answer``, each row trained in full and in block mode. Because this model starts from
-     random weights (the papers fine-tune pretrained LMs), passage and question tokens also carry a
-     next-token loss with weight ``train.lm_weight`` relative to answer tokens (the objective's
-     ``loss_mask`` is a per-token weight).
+     random weights (the papers fine-tune pretrained LMs), passage tokens also carry a next-token
+     loss with weight ``train.lm_weight`` relative to answer tokens (the objective's ``loss_mask`` is a
+     per-token weight). Question tokens carry none: their ``Question:`` -> `` What`` pattern would
+     otherwise be what the model says after ``Answer:``.
 4. **Retrieval**: the held-out passages are embedded with pretrained MiniLM
    (``rag_jax.retrieval.embedders.BertEmbedder``) and with the trained model in GRIT embedding mode
    (``rag_jax.model.embedding.GritEmbedder``), each into a ScaNN index
@@ -150,7 +151,7 @@ class DemoTrainConfig:
       group_size: GRIT passages per query (1 positive + group_size - 1 hard negatives).
       seq_len: padded RAG row length in tokens; 0 = from the data (k passages of 90th-percentile length).
       query_max_len / passage_max_len: GRIT token limits; passage 0 = from the data.
-      lm_weight: next-token loss weight of passage and question tokens (answer tokens weigh 1).
+      lm_weight: next-token loss weight of passage tokens (answer tokens weigh 1, question tokens 0).
       full_weight / block_weight: Block-Attention loss weights of the full and block passes.
       gen_weight: λ_Gen of GRIT Eq. 3 (weight of the Block-Attention loss against L_Rep).
       grit_temperature: InfoNCE temperature (GritLM: 0.02; 0.05 trains more stably from scratch).
@@ -551,9 +552,10 @@ class _TrainingData:
 
         def rag_batch(examples):
             batch = collate(examples, self.seq_len)
-            if lm_weight > 0:  # next-token loss on passage/question tokens too (module docstring, stage 3)
+            if lm_weight > 0:  # next-token loss on passage tokens too (module docstring, stage 3)
+                passage = (batch["segment_ids"] > 0) & ~batch["is_global"]
                 batch["loss_mask"] = np.where(batch["loss_mask"] > 0, 1.0,
-                                              np.where(batch["segment_ids"] > 0, lm_weight, 0.0)).astype(np.float32)
+                                              np.where(passage, lm_weight, 0.0)).astype(np.float32)
             return batch
 
         self.rag = (grain.MapDataset.source(self.questions).shuffle(seed=tc.seed).repeat(None)
