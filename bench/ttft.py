@@ -51,8 +51,8 @@ def prefill_flops(cfg: ModelConfig, q_len: int, context: int) -> float:
     return dense + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
 
 
-def median_ms(fns: dict, repeats: int) -> dict[str, float]:
-    """Median wall time (ms) of each function after one warm-up call (compilation, allocation).
+def median_ms(fns: dict, repeats: int, clock=time.perf_counter) -> dict[str, float]:
+    """Median time (ms) of each function after one warm-up call (compilation, allocation).
 
     The functions are interleaved within every repeat, so a change in machine load during the run
     affects all of them alike and their ratios stay fair.
@@ -62,9 +62,9 @@ def median_ms(fns: dict, repeats: int) -> dict[str, float]:
         fn()
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
+            times[name].append((clock() - t0) * 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -127,8 +127,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for both XLA and torch (0 = library defaults); 1 gives stable numbers on a "
                         "busy machine, where OpenMP/Eigen thread pools slow down badly when oversubscribed")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="wall: elapsed time (TTFT proper); cpu: CPU time of this process (all threads), which "
+                        "a shared, oversubscribed machine does not inflate (use with --threads 1)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
         # Read when the XLA backend starts (first computation below), not at import.
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
@@ -156,7 +160,7 @@ def main(argv=None) -> list[dict]:
             import torch
             torch.set_num_threads(args.threads)
     print(f"backend={jax.default_backend()} devices={jax.device_count()} cpu_cores={os.cpu_count()} "
-          f"threads={args.threads or 'default'} "
+          f"threads={args.threads or 'default'} clock={args.clock} "
           f"model: hidden={cfg.hidden_size} layers={cfg.num_layers} heads={cfg.num_heads}/{cfg.num_kv_heads} "
           f"vocab={cfg.vocab_size} dtype={cfg.dtype}; last block {args.last_len} tokens, passage blocks "
           f"{args.block_len} tokens; median of {args.repeats}", flush=True)
@@ -173,7 +177,7 @@ def main(argv=None) -> list[dict]:
         fns = {"full": lambda: run("full"), "block": lambda: run("block")}
         if hf is not None:
             fns.update(hf_functions(hf, blocks))
-        ms = median_ms(fns, args.repeats)
+        ms = median_ms(fns, args.repeats, clock)
         assert store.stats["hits"] - hits == (args.repeats + 1) * (len(blocks) - 1), "caches were not warm"
         bound = prefill_flops(cfg, total, 0) / prefill_flops(cfg, args.last_len, total - args.last_len)
         row = dict(total=total, blocks=len(blocks), full_ms=ms["full"], block_ms=ms["block"],
