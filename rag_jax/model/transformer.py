@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rag_jax import sharding
 from rag_jax.model.attention import attend
 from rag_jax.model.config import ModelConfig
 from rag_jax.model.kv import KVSegment
@@ -23,6 +24,7 @@ from rag_jax.model.masks import MASK_MODES, build_mask
 from rag_jax.model.rope import apply_rope, rope_inv_freq
 
 REMAT_POLICIES = ("none", "full", "dots")
+ACTIVATION_AXES = ("batch", "seq", "activation_embed")
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal") -> nnx.Param:
@@ -102,6 +104,9 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, mask, inv_freq, cache_k=None, cache_v=None, cache_positions=None):
         """One pre-norm block. Returns (x ``[b, s, hidden]``, (k, v) pre-RoPE of the new tokens)."""
+        # Keep activations batch-sharded (a no-op outside a train step's mesh): without this hint XLA keeps
+        # hidden states split like the weights and replicates them per chip (8B on v5p-64 does not fit).
+        x = sharding.constrain(x, ACTIVATION_AXES)
         q, k, v = self.attn.project_qkv(self.input_norm(x))
         k_all, v_all, k_pos = k, v, positions
         if cache_k is not None:
@@ -111,7 +116,7 @@ class DecoderLayer(nnx.Module):
         out = attend(apply_rope(q, positions, inv_freq), apply_rope(k_all, k_pos, inv_freq), v_all, mask)
         x = x + self.attn.output(out)
         x = x + self.mlp(self.post_attn_norm(x))
-        return x, (k, v)
+        return sharding.constrain(x, ACTIVATION_AXES), (k, v)
 
 
 class ModelOutput(NamedTuple):
