@@ -139,7 +139,7 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="tiny", help="ModelConfig preset (random weights, vocab 256)")
     p.add_argument("--em-config", type=Path, default=ROOT / "train" / "configs" / "em_llm_passkey.yaml")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    p.add_argument("--full-max", type=int, default=16384, help="longest stream run with full attention")
+    p.add_argument("--full-max", type=int, default=4096, help="longest stream run with full attention")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--store-sizes", type=int, nargs="+", default=[1000, 10000, 50000])
     p.add_argument("--dim", type=int, default=256, help="representative vector size (num_heads * head_dim)")

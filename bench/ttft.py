@@ -18,6 +18,7 @@ attended (query, key) pair. ``% bound`` = measured speedup / FLOP bound.
 
     python bench/ttft.py                                  # small default (1K, 2K), ~1 min on 2 CPU cores
     python bench/ttft.py --sizes 2048,4096,8192,16384     # the issue's sizes
+    python bench/ttft.py --sizes 2048,4096,8192 --threads 1 --clock cpu   # on a shared, busy machine
     python bench/ttft.py --preset llama3.2-1b --dtype bfloat16 --sizes 32768 --no_hf   # one H200
 """
 from __future__ import annotations
@@ -52,20 +53,22 @@ def prefill_flops(cfg: ModelConfig, q_len: int, context: int) -> float:
 
 
 def median_ms(fns: dict, repeats: int, clock=time.perf_counter) -> dict[str, float]:
-    """Median time (ms) of each function after one warm-up call (compilation, allocation).
+    """Median time (ms) of each function over ``repeats`` consecutive calls after one warm-up call.
 
-    The functions are interleaved within every repeat, so a change in machine load during the run
-    affects all of them alike and their ratios stay fair.
+    Each function runs in its own loop (steady state, as a server answering requests of one kind):
+    interleaving a full prefill, which touches gigabytes, between block prefills slowed the latter
+    by ~1.6x at 4K tokens through memory effects, which is not what a request sees in steady state.
     """
-    times = {name: [] for name in fns}
-    for fn in fns.values():
+    out = {}
+    for name, fn in fns.items():
         fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
+        times = []
+        for _ in range(repeats):
             t0 = clock()
             fn()
-            times[name].append((clock() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+            times.append((clock() - t0) * 1e3)
+        out[name] = statistics.median(times)
+    return out
 
 
 def make_blocks(rng: np.random.Generator, total: int, last_len: int, block_len: int, vocab: int) -> list[list[int]]:
@@ -174,7 +177,7 @@ def main(argv=None) -> list[dict]:
 
         run("block")  # fills the passage caches (not timed: they are warm in the measured setting)
         hits = store.stats["hits"]
-        fns = {"full": lambda: run("full"), "block": lambda: run("block")}
+        fns = {"block": lambda: run("block"), "full": lambda: run("full")}
         if hf is not None:
             fns.update(hf_functions(hf, blocks))
         ms = median_ms(fns, args.repeats, clock)

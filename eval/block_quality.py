@@ -172,13 +172,20 @@ def _generated(seed: int, d: DataSection, num_questions: int) -> tuple[list[dict
     return [{"title": a["title"], "text": a["article"]} for a in u.articles], u.questions
 
 
-def load_universes(d: DataSection, eval_questions: int) -> tuple[list, tuple]:
-    """([(articles, questions) for training], (articles, questions) for evaluation)."""
-    held_out = (_universe_from_dir(d.eval_dir) if d.eval_dir
-                else _generated(d.eval_seed, d, max(eval_questions, 1)))
+def load_universes(d: DataSection, eval_questions: int) -> tuple[list, list]:
+    """([(articles, questions) for training], [(articles, questions) for evaluation]).
+
+    Generated evaluation universes (seeds ``eval_seed``, ``eval_seed + 1``, ...) hold about three times
+    ``eval_questions`` questions, since filters drop some.
+    """
+    if d.eval_dir:
+        held_out = [_universe_from_dir(d.eval_dir)]
+    else:
+        n = -(-3 * max(eval_questions, 1) // d.questions_per_universe)
+        held_out = [_generated(d.eval_seed + i, d, d.questions_per_universe) for i in range(n)]
     if d.train_dir:
         articles, questions = _universe_from_dir(d.train_dir)
-        eval_texts = {q["question"] for q in held_out[1]}
+        eval_texts = {q["question"] for _, qs in held_out for q in qs}
         train = [(articles, [q for q in questions if q["question"] not in eval_texts])]
     else:
         train = [_generated(seed, d, d.questions_per_universe) for seed in range(1, d.train_universes + 1)]
@@ -269,7 +276,7 @@ def main(argv=None) -> dict:
     recipe = config_lib.load_config(BlockRecipe, args.config, args.overrides)
     d = recipe.data
     t0 = time.perf_counter()
-    train_sets, (eval_articles, eval_questions) = load_universes(d, recipe.eval.questions)
+    train_sets, eval_sets = load_universes(d, recipe.eval.questions)
 
     init_params = None
     if recipe.init.hf_dir:
@@ -282,7 +289,7 @@ def main(argv=None) -> dict:
     else:
         # Unlabelled text only: all article texts (evaluation universe included, so its new names are not
         # split into bytes), training questions, and the template strings.
-        texts = [a["text"] for arts, _ in train_sets + [(eval_articles, ())] for a in arts]
+        texts = [a["text"] for arts, _ in train_sets + eval_sets for a in arts]
         texts += [q["question"] for _, qs in train_sets for q in qs]
         texts += [COMPACT_SYSTEM, COMPACT_LAST, block_rag.RAG_SYSTEM, block_rag.RAG_LAST, block_rag.RAG_PASSAGE] * 50
         tokenizer = train_bpe(texts, d.vocab_size, special_tokens=SPECIAL_TOKENS)
@@ -293,8 +300,9 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(recipe.train.seed)
     train_examples = [ex for arts, qs in train_sets for ex in make_examples(tokenizer, arts, qs, d, rng, True,
                                                                             d.seq_len - len(marker_ids))]
-    eval_examples = make_examples(tokenizer, eval_articles, eval_questions, d, rng, False,
-                                  recipe.model.max_seq_len - recipe.eval.max_new_tokens - len(marker_ids))
+    eval_max = recipe.model.max_seq_len - recipe.eval.max_new_tokens - len(marker_ids)
+    eval_examples = [ex for arts, qs in eval_sets
+                     for ex in make_examples(tokenizer, arts, qs, d, rng, False, eval_max)]
     eval_examples = eval_examples[:recipe.eval.questions]
     if not train_examples or not eval_examples:
         raise SystemExit(f"error: {len(train_examples)} training / {len(eval_examples)} evaluation examples; "
