@@ -73,8 +73,10 @@ class DataSection:
       people / questions_per_universe / max_hops: generated universe sizes (``generate_universe``).
       questions: "all", or "lookup": single-answer questions that copy a value from a passage (no
         counting questions), which small models learn in far fewer steps.
-      passages: passages per example (gold articles + distractors); questions needing more gold
-        articles than this are skipped.
+      passage_unit: "article" (one PhantomWiki article per passage) or "line" (one fact line of an
+        article per passage, the article title kept; short contexts that small models learn to read).
+      passages: passages per example (gold passages + distractors); questions needing more gold
+        passages than this are skipped.
       passages_per_block: passages grouped into one block.
       template: "compact" (short instruction, small models) or "paper" (v5 Tulu strings).
       seq_len: training row length in tokens; longer examples are skipped.
@@ -89,6 +91,7 @@ class DataSection:
     questions_per_universe: int = 150
     max_hops: int = 1
     questions: str = "all"
+    passage_unit: str = "article"
     passages: int = 3
     passages_per_block: int = 1
     template: str = "compact"
@@ -98,6 +101,8 @@ class DataSection:
     def __post_init__(self):
         if self.questions not in ("all", "lookup"):
             raise ValueError(f"data.questions={self.questions!r}; valid: 'all', 'lookup'")
+        if self.passage_unit not in ("article", "line"):
+            raise ValueError(f"data.passage_unit={self.passage_unit!r}; valid: 'article', 'line'")
         if self.template not in ("compact", "paper"):
             raise ValueError(f"data.template={self.template!r}; valid: 'compact', 'paper'")
         if self.passages < 1 or self.passages_per_block < 1 or self.train_universes < 1:
@@ -141,7 +146,14 @@ class InitSection:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSection:
+    """Attributes:
+      questions: held-out questions scored per model and mode.
+      train_questions: training questions also scored (full inference), to tell reading from memorizing.
+      batch_size / max_new_tokens: greedy generation batch and length.
+    """
+
     questions: int = 100
+    train_questions: int = 50
     batch_size: int = 25
     max_new_tokens: int = 24
 
@@ -192,24 +204,43 @@ def load_universes(d: DataSection, eval_questions: int) -> tuple[list, list]:
     return train, held_out
 
 
+def _passage_pool(articles, unit: str) -> list[dict]:
+    """Passages ``{"title", "text"}``: whole articles, or their fact lines (chunks of the article split
+    at ``"\n"`` by ``block_rag.split_by_delimiter``, markdown headings dropped)."""
+    if unit == "article":
+        return list(articles)
+    pool = []
+    for a in articles:
+        for chunk in block_rag.split_by_delimiter(a["text"].replace("\n\n", "\n")):
+            line = chunk.strip()
+            if line and not line.startswith("#"):
+                pool.append({"title": a["title"], "text": line})
+    return pool
+
+
 def make_examples(tokenizer, articles, questions, d: DataSection, rng: np.random.Generator, with_response: bool,
                   max_len: int | None) -> list[tuple[block_rag.BlockExample, list[str]]]:
-    """(example, gold answers) per usable question: gold + distractor passages, shuffled."""
-    by_title = {a["title"]: a for a in articles}
+    """(example, gold answers) per usable question: gold + distractor passages, shuffled.
+
+    Gold passages: the gold articles, or (``passage_unit="line"``) their lines that contain an answer.
+    """
+    pool = _passage_pool(articles, d.passage_unit)
     template = ({} if d.template == "paper" else {"system": COMPACT_SYSTEM, "last_format": COMPACT_LAST})
     out = []
     for q in questions:
-        gold = [t for t in q["titles"] if t in by_title]
+        titles = set(q["titles"])
+        gold = [i for i, p in enumerate(pool) if p["title"] in titles
+                and (d.passage_unit == "article" or any(ans in p["text"] for ans in q["answer"]))]
         if q["hops"] > d.max_hops or not gold or len(gold) > d.passages:
             continue
         if d.questions == "lookup" and (len(q["answer"]) != 1 or q["question"].startswith("How many")):
             continue
-        others = [t for t in by_title if t not in gold]
+        others = [i for i in range(len(pool)) if i not in set(gold)]
         picked = gold + list(rng.choice(others, size=min(d.passages - len(gold), len(others)), replace=False))
         rng.shuffle(picked)
         answer = ", ".join(q["answer"])
         try:
-            ex = block_rag.build_rag_example(tokenizer, q["question"], [by_title[t] for t in picked],
+            ex = block_rag.build_rag_example(tokenizer, q["question"], [pool[i] for i in picked],
                                              answer if with_response else "",
                                              passages_per_block=d.passages_per_block, max_len=max_len, **template)
         except ValueError:  # longer than max_len: skipped, counted by the caller
@@ -325,13 +356,17 @@ def main(argv=None) -> dict:
         graphdef, params = train_model(recipe, loss_fn, train_examples, init_params, name)
         results[name] = {mode: evaluate(graphdef, params, eval_examples, tokenizer, run_marker, recipe, mode)
                          for mode in ("full", "block")}
+        seen = [(block_rag.BlockExample(ex.blocks), gold) for ex, gold in train_examples[:recipe.eval.train_questions]]
+        if seen:
+            results[name]["train_full"] = evaluate(graphdef, params, seen, tokenizer, run_marker, recipe, "full")
     print(f"\nPhantomWiki QA, {len(eval_examples)} held-out questions, set EM (F1) in %; "
           f"{recipe.init.base_steps} shared full-attention base steps, then {recipe.train.steps} fine-tuning "
           f"steps x {recipe.train.global_batch_size} examples per model:")
-    print("model | full inference | block inference | block - full")
+    print("model | full inference | block inference | block - full | training questions (full)")
     for name, r in results.items():
+        seen = f"{r['train_full']['acc']:.1f}" if "train_full" in r else "-"
         print(f"{name} | {r['full']['acc']:.1f} ({r['full']['f1']:.1f}) | {r['block']['acc']:.1f} "
-              f"({r['block']['f1']:.1f}) | {r['block']['acc'] - r['full']['acc']:+.1f}")
+              f"({r['block']['f1']:.1f}) | {r['block']['acc'] - r['full']['acc']:+.1f} | {seen}")
     gap = results["block-FT"]["block"]["acc"] - results["full-FT"]["full"]["acc"]
     print(f"block-FT in block mode vs full-FT in full mode: {gap:+.1f} points (paper -1.3; goal >= -2)")
     print(f"sample (block-FT, block mode): {results['block-FT']['block']['sample']}  "

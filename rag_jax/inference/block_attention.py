@@ -158,9 +158,7 @@ class BlockAttention:
         """The block's KV at local positions 0..n-1 (batch 1), from the store or one forward over it."""
         def compute() -> KVSegment:
             kv = _padded_forward(self.graphdef, self.state, block, 0, None, self.pad_multiple, keep=1)[1]
-            n = block.size
-            return KVSegment(k=kv.k[:, :, :n], v=kv.v[:, :, :n], positions=kv.positions[:, :n],
-                             segment_ids=kv.segment_ids[:, :n])
+            return kv.slice(0, block.size)
         return self.store.get_or_compute(block, self.fingerprint, self.dtype, compute, namespace=STORE_NAMESPACE)
 
     def assemble(self, blocks: Sequence[np.ndarray], width: int | None = None) -> KVSegment | None:

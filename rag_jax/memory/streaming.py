@@ -41,7 +41,6 @@ from rag_jax.memory.event_retrieval import ContiguityBuffer, merge_temporal, ret
 from rag_jax.memory.event_store import DeviceEventCache, EventStore, representative_vectors
 from rag_jax.memory.refinement import key_similarity
 from rag_jax.memory.segmentation import EventSegmenter, surprise_from_logits
-from rag_jax.model import attention as core_attention
 from rag_jax.model import Transformer, apply_rope, attend_joint, build_mask
 
 
@@ -67,10 +66,8 @@ class LayerBuffers:
 def _joint_attention_and_local_mass(groups, q_ok):
     """``attend_joint(groups)`` plus the attention mass each key of ``groups[0]`` receives, summed over the
     valid queries: float32 ``[num_heads, kv_len_0]`` (InfLLM/EM-LLM representative scores, note §4.2)."""
-    out = attend_joint(groups)
-    # The core returns only the output; the same logits (CSE'd by XLA) give the weights.
-    logits = jnp.concatenate([core_attention._group_logits(q, k, m) for q, k, _, m in groups], axis=-1)
-    weights = jax.nn.softmax(logits, axis=-1)[..., :groups[0][1].shape[1]]        # [1, kvh, g, q, k0]
+    out, weights = attend_joint(groups, return_weights=True)
+    weights = weights[..., :groups[0][1].shape[1]]                                  # [1, kvh, g, q, k0]
     mass = jnp.einsum("bhgqk,q->hgk", weights, q_ok.astype(jnp.float32))
     return out, mass.reshape(-1, mass.shape[-1])
 

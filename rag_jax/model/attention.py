@@ -27,18 +27,24 @@ def _group_logits(q, k, mask):
     return jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
 
 
-def attend_joint(groups) -> jnp.ndarray:
+def attend_joint(groups, *, return_weights: bool = False):
     """One softmax over the concatenated logits of ``groups = [(q, k, v, mask), ...]``.
 
     Shapes per group: q ``[batch, q_len, num_heads, head_dim]`` (rotated), k/v
     ``[batch, kv_len_i, num_kv_heads, head_dim]`` (k rotated), mask bool ``[batch, q_len, kv_len_i]``.
-    Returns ``[batch, q_len, num_heads, head_dim]`` in q's dtype.
+    Returns ``[batch, q_len, num_heads, head_dim]`` in q's dtype; with ``return_weights`` also the
+    float32 attention weights ``[batch, num_kv_heads, heads_per_kv_head, q_len, sum(kv_len_i)]``
+    (keys in group order), e.g. EM-LLM's representative-token scores.
+
+    Raises:
+      ValueError: num_heads is not a multiple of num_kv_heads.
     """
     logits = jnp.concatenate([_group_logits(q, k, m) for q, k, _, m in groups], axis=-1)
     weights = jax.nn.softmax(logits, axis=-1)
     v = jnp.concatenate([g[2] for g in groups], axis=1)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return einops.rearrange(out, "b q h g d -> b q (h g) d").astype(groups[0][0].dtype)
+    out = einops.rearrange(out, "b q h g d -> b q (h g) d").astype(groups[0][0].dtype)
+    return (out, weights) if return_weights else out
 
 
 def attend(q, k, v, mask) -> jnp.ndarray:
