@@ -150,8 +150,10 @@ class DemoTrainConfig:
       embedding_batch_size: GRIT queries per step (in-batch negatives + hard negatives).
       group_size: GRIT passages per query (1 positive + group_size - 1 hard negatives).
       seq_len: padded RAG row length in tokens; 0 = from the data (k passages of 90th-percentile length).
-      query_max_len / passage_max_len: GRIT token limits; passage 0 = from the data.
+      query_max_len / passage_max_len: GRIT token limits incl. the format prefix; 0 = from the data
+        (the longest training query; the 90th-percentile passage).
       lm_weight: next-token loss weight of passage tokens (answer tokens weigh 1, question tokens 0).
+      max_turns: questions per RAG row (1 = only the inference layout; see ``_TrainingData``).
       full_weight / block_weight: Block-Attention loss weights of the full and block passes.
       gen_weight: λ_Gen of GRIT Eq. 3 (weight of the Block-Attention loss against L_Rep).
       grit_temperature: InfoNCE temperature (GritLM: 0.02; 0.05 trains more stably from scratch).
@@ -168,9 +170,10 @@ class DemoTrainConfig:
     embedding_batch_size: int = 8
     group_size: int = 2
     seq_len: int = 0
-    query_max_len: int = 40
+    query_max_len: int = 0
     passage_max_len: int = 0
-    lm_weight: float = 0.1
+    lm_weight: float = 0.2
+    max_turns: int = 6
     full_weight: float = 1.0
     block_weight: float = 1.0
     gen_weight: float = 1.0
@@ -182,10 +185,10 @@ class DemoTrainConfig:
     log_every: int = 1
 
     def __post_init__(self):
-        for name in ("steps", "rag_batch_size", "embedding_batch_size", "group_size", "query_max_len", "log_every"):
+        for name in ("steps", "rag_batch_size", "embedding_batch_size", "group_size", "log_every", "max_turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
-        for name in ("seq_len", "passage_max_len", "devices"):
+        for name in ("seq_len", "query_max_len", "passage_max_len", "devices"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0 (0 = automatic)")
         for name in ("lm_weight", "full_weight", "block_weight", "gen_weight"):
@@ -496,81 +499,138 @@ class GritBlockLoss:
 
 def hard_negatives(passages: Sequence[dict]) -> list[list[int]]:
     """Per passage: the passages a retriever confuses with it — the other sections of the same article,
-    then other people's passages that mention its title (as family or friend)."""
+    then other people's passages that mention its title (as family or friend). Linear in the text:
+    titles are looked up by their first word at every word of every passage."""
     by_title: dict[str, list[int]] = {}
     for i, p in enumerate(passages):
         by_title.setdefault(p["title"], []).append(i)
+    by_first: dict[str, list[str]] = {}
+    for t in by_title:
+        by_first.setdefault(t.split(" ", 1)[0], []).append(t)
     mentions: dict[str, list[int]] = {t: [] for t in by_title}
     for i, p in enumerate(passages):
-        for t in by_title:
-            if t != p["title"] and t in p["text"]:
-                mentions[t].append(i)
+        text, found = p["text"], set()
+        for m in re.finditer(r"[^\s,.]+", text):
+            for t in by_first.get(m.group(), ()):
+                if t != p["title"] and text.startswith(t, m.start()):
+                    found.add(t)
+        for t in sorted(found):
+            mentions[t].append(i)
     return [[j for j in by_title[p["title"]] if j != i] + mentions[p["title"]] for i, p in enumerate(passages)]
 
 
 class _TrainingData:
-    """Tokenized training set and the two step-indexed grain streams (GRIT triples, RAG block rows)."""
+    """Tokenized training set and the two step-indexed grain streams (GRIT triples, RAG block rows).
+
+    A RAG row is ``[passage blocks..., last block] -> answer`` with the question's gold passage(s) among
+    ``task.num_passages`` passages (hard negatives and random ones, shuffled: the retriever's top k at
+    test time may miss the gold passage and has no fixed order). The last block may first hold up to
+    ``train.max_turns - 1`` answered questions about the same passages (``Question: ...`` /
+    ``Answer: ...<eos>`` turns, answer tokens weighted 1 like the response): more answers to learn from per encoded
+    passage, which a model trained from scratch needs. Rows with a single question (the inference
+    layout) are as frequent as any other turn count.
+    """
 
     def __init__(self, cfg: DemoConfig, data: DemoData, tokenizer, fmt):
         import grain
 
-        from rag_jax.data.block_rag import collate, encode
+        from rag_jax.data.block_rag import BlockExample, collate, encode
         from rag_jax.data.grit import GritDataConfig, embedding_dataset
 
         tc, k = cfg.train, cfg.task.num_passages
         texts = [p["text"] for p in data.train_passages]
-        lengths = np.asarray([len(encode(tokenizer, t)) for t in texts])
+        tokens = [tuple(encode(tokenizer, t)) for t in texts]
+        lengths = np.asarray([len(t) for t in tokens])
         negatives = hard_negatives(data.train_passages)
-        q_len = max(len(encode(tokenizer, question_block(q["question"]))) for q in data.train_questions)
-        a_len = max(len(encode(tokenizer, " " + answer_text(q["answer"]) + EOS)) for q in data.train_questions)
+        q_tokens = [tuple(encode(tokenizer, question_block(q["question"]))) for q in data.train_questions]
+        a_tokens = [tuple(encode(tokenizer, " " + answer_text(q["answer"]) + EOS)) for q in data.train_questions]
+        newline = tuple(encode(tokenizer, "\n"))
+        q_len, a_len = max(map(len, q_tokens)), max(map(len, a_tokens))
         self.answer_tokens = a_len
         p90 = int(np.percentile(lengths, 90))
-        self.seq_len = tc.seq_len or -(-(k * p90 + q_len + a_len) // 32) * 32
-        self.passage_max_len = tc.passage_max_len or -(-(p90 + 16) // 32) * 32
+        turn = int(np.percentile([len(x) + len(y) for x, y in zip(q_tokens, a_tokens)], 90)) + len(newline)
+        self.seq_len = tc.seq_len or -(-(k * p90 + q_len + a_len + (tc.max_turns - 1) * turn) // 32) * 32
+        prefix = len(encode(tokenizer, fmt.embed_prefix("")))
+        self.passage_max_len = tc.passage_max_len or -(-(p90 + prefix) // 16) * 16
+        longest = max(len(encode(tokenizer, fmt.embed_prefix(tc.grit_instruction) + q["question"]))
+                      for q in data.train_questions)
+        self.query_max_len = tc.query_max_len or -(-longest // 8) * 8
         budget = self.seq_len - q_len - a_len
-        self.questions = [q for q in data.train_questions if lengths[q["gold"]].sum() <= budget]
+        keep = [j for j, q in enumerate(data.train_questions) if lengths[q["gold"]].sum() <= budget]
+        self.questions = [data.train_questions[j] for j in keep]
+        q_tokens, a_tokens = [q_tokens[j] for j in keep], [a_tokens[j] for j in keep]
         if len(self.questions) < max(2, tc.embedding_batch_size):
             raise ValueError(f"only {len(self.questions)} training questions fit train.seq_len={self.seq_len} tokens "
                              f"with their gold passages; need >= {max(2, tc.embedding_batch_size)} "
                              "(raise train.seq_len or lower train.embedding_batch_size)")
         self.dropped = len(data.train_questions) - len(self.questions)
-        lm_weight = tc.lm_weight
+        by_passage: dict[int, list[int]] = {}
+        for j, q in enumerate(self.questions):
+            for g in q["gold"]:
+                by_passage.setdefault(g, []).append(j)
+        lm_weight, max_turns = tc.lm_weight, tc.max_turns
 
-        def rag_row(q: dict, rng: np.random.Generator):
-            # Gold passages + hard negatives + random ones, in random order (the retriever's top k at
-            # test time may or may not hold the gold passage, and not in a fixed place).
+        def rag_row(j: int, rng: np.random.Generator):
+            q = self.questions[j]
             chosen, room = list(q["gold"]), budget - int(lengths[q["gold"]].sum())
-            candidates = list(rng.permutation(negatives[q["gold"][0]])) + list(rng.permutation(len(texts)))
+            hard, rand = rng.permutation(negatives[q["gold"][0]]), rng.permutation(len(texts))
+            candidates = [int(i) for pair in zip(hard, rand) for i in pair] + [int(i) for i in rand[len(hard):]]
             for i in candidates:
                 if len(chosen) == k:
                     break
                 if i not in chosen and lengths[i] <= room:
-                    chosen.append(int(i))
+                    chosen.append(i)
                     room -= int(lengths[i])
             rng.shuffle(chosen)
-            return rag_example(tokenizer, q["question"], [texts[i] for i in chosen], answer_text(q["answer"]))
+            answerable = {o for i in chosen for o in by_passage.get(i, ()) if o != j
+                          and set(self.questions[o]["gold"]) <= set(chosen)}
+            others = rng.permutation(sorted(answerable))[:rng.integers(max_turns)]
+            room = self.seq_len - int(lengths[chosen].sum()) - len(q_tokens[j]) - len(a_tokens[j])
+            last, spans = (), []
+            for o in others:
+                piece = q_tokens[o] + a_tokens[o] + newline
+                if len(piece) > room:
+                    break
+                spans.append((len(last) + len(q_tokens[o]), len(last) + len(q_tokens[o]) + len(a_tokens[o])))
+                last, room = last + piece, room - len(piece)
+            blocks = tuple(tokens[i] for i in chosen) + (last + q_tokens[j],)
+            return BlockExample(blocks, a_tokens[j]), spans
 
-        def rag_batch(examples):
-            batch = collate(examples, self.seq_len)
+        def rag_batch(rows):
+            batch = collate([ex for ex, _ in rows], self.seq_len)
+            for r, (ex, spans) in enumerate(rows):  # answers of the earlier turns are targets too
+                start = sum(len(b) for b in ex.blocks[:-1])
+                for a, b in spans:
+                    batch["loss_mask"][r, start + a:start + b] = 1.0
             if lm_weight > 0:  # next-token loss on passage tokens too (module docstring, stage 3)
                 passage = (batch["segment_ids"] > 0) & ~batch["is_global"]
                 batch["loss_mask"] = np.where(batch["loss_mask"] > 0, 1.0,
                                               np.where(passage, lm_weight, 0.0)).astype(np.float32)
             return batch
 
-        self.rag = (grain.MapDataset.source(self.questions).shuffle(seed=tc.seed).repeat(None)
+        self.rag = (grain.MapDataset.source(list(range(len(self.questions)))).shuffle(seed=tc.seed).repeat(None)
                     .random_map(rag_row, seed=tc.seed)
                     .batch(tc.rag_batch_size, drop_remainder=True, batch_fn=rag_batch))
+        # GRIT negatives: the gold passage's hard negatives (same person, other sections; mentions) and as
+        # many passages of the same section about other people. Without the latter, "which section"
+        # separates positives from hard negatives and the embeddings collapse to the section type
+        # (all Attributes passages alike: InfoNCE stalls at ln(batch)), losing the names.
+        sections: dict[str, list[int]] = {}
+        for i, p in enumerate(data.train_passages):
+            sections.setdefault(p["section"], []).append(i)
         records = []
         shuffle = random.Random(tc.seed)
         for q in self.questions:
-            negs = [texts[i] for i in negatives[q["gold"][0]] if i not in q["gold"]]
+            g = q["gold"][0]
+            hard = [i for i in negatives[g] if i not in q["gold"]]
+            same = [i for i in sections[data.train_passages[g]["section"]] if i not in q["gold"]]
+            negs = hard + shuffle.sample(same, min(len(same), max(len(hard), tc.group_size - 1)))
             if len(negs) < tc.group_size - 1:
-                negs += [texts[i] for i in shuffle.sample(range(len(texts)), min(len(texts), 8)) if i not in q["gold"]]
+                negs += shuffle.sample([i for i in range(len(texts)) if i not in q["gold"]], tc.group_size - 1)
             records.append({"query": [tc.grit_instruction, q["question"]], "pos": [texts[i] for i in q["gold"]],
-                            "neg": negs})
+                            "neg": [texts[i] for i in negs]})
         gcfg = GritDataConfig(embedding_batch_size=tc.embedding_batch_size, group_size=tc.group_size,
-                              query_max_len=tc.query_max_len, passage_max_len=self.passage_max_len, seed=tc.seed)
+                              query_max_len=self.query_max_len, passage_max_len=self.passage_max_len, seed=tc.seed)
         self.grit = embedding_dataset(records, tokenizer, gcfg, fmt)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
@@ -621,6 +681,7 @@ def _train(cfg: DemoConfig, model_cfg: ModelConfig, td: _TrainingData, mesh, pro
     batch = device_batch(0)
     compiled = train_step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
+    (log_dir / "metrics.jsonl").unlink(missing_ok=True)  # the writer appends; a rerun starts a new curve
     writer = metrics_lib.MetricWriter(log_dir, jsonl=True, tensorboard=True)
     history = []
     t0 = time.perf_counter()
@@ -889,8 +950,8 @@ def format_report(report: dict) -> str:
              f"model: {report['model']['num_layers']} layers, hidden {report['model']['hidden_size']}, "
              f"{report['model']['params'] / 1e6:.2f}M params, vocab {report['model']['vocab_size']}",
              f"training: {tr['steps']} steps in {tr['seconds']:.0f} s (+{tr['compile_seconds']:.0f} s compile); final "
-             f"loss {tr['final']['loss']:.3f}, GRIT in-batch accuracy {tr['final']['rep_accuracy']:.2f}, "
-             f"answer-token accuracy {tr['final']['gen_accuracy']:.2f}", ""]
+             f"loss {tr['final']['loss']:.3f}, GRIT in-batch top-1 {tr['final']['rep_accuracy']:.2f}, "
+             f"next-token accuracy (loss-weighted) {tr['final']['gen_accuracy']:.2f}", ""]
     rows = [[r["retriever"], *[r[f"recall@{c}"] for c in ks], *[r[f"hit@{c}"] for c in ks]]
             for r in report["retrieval"].values()]
     lines += [f"retrieval of gold passages among {d['eval_passages']} held-out passages (ScaNN), "
@@ -992,15 +1053,17 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
     from rag_jax.train import step as step_lib
 
     log(f"[2/7] tokenizer: byte-level BPE, vocab {cfg.tokenizer.vocab_size}")
+    fmt = grit_format()
+    # The prompt and GRIT format strings are in every input: let BPE learn them as a few tokens.
     texts = ([p["text"] for p in data.train_passages] + [q["question"] for q in data.train_questions]
-             + [question_block("") + " " + answer_text(q["answer"]) for q in data.train_questions])
+             + [question_block("") + " " + answer_text(q["answer"]) for q in data.train_questions]
+             + [fmt.embed_prefix(cfg.train.grit_instruction), fmt.embed_prefix("")] * 8)
     tokenizer = train_bpe(texts, cfg.tokenizer.vocab_size, special_tokens=(PAD, BOS, EOS, "<unk>"))
     vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # a multiple of 64: friendlier matmul shapes
-    fmt = grit_format()
     td = _TrainingData(cfg, data, tokenizer, fmt)
     model_cfg = cfg.model.replace(vocab_size=vocab)
     resolved = dataclasses.replace(cfg, model=model_cfg, train=dataclasses.replace(
-        cfg.train, seq_len=td.seq_len, passage_max_len=td.passage_max_len))
+        cfg.train, seq_len=td.seq_len, query_max_len=td.query_max_len, passage_max_len=td.passage_max_len))
     if td.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"train.seq_len={td.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; raise "
                          "model.max_seq_len or lower task.num_passages")
