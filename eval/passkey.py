@@ -5,7 +5,9 @@ on passkey prompts (the standard filler "The grass is green. ..." of the passkey
 synthetic key-value retrieval prompts (the "Lost in the Middle" JSON format with random UUIDs), then evaluated with
 the same weights and four inference methods, all through ``rag_jax.memory.EMLLM``:
 
-- ``em_llm``: surprise segmentation + similarity retrieval (``--em-config``, default train/configs/em_llm_passkey.yaml);
+- ``em_llm``: surprise segmentation + similarity retrieval (``--em-config``, default train/configs/em_llm_passkey.yaml,
+  contiguous memory positions);
+- ``em_llm_inf_pos``: the same with InfLLM positions (memory keys unrotated, query at distance ``n_local - 1``);
 - ``inf_llm``: the same code with fixed ``--infllm-block``-token blocks (``segmentation: uniform``);
 - ``sliding``: the local window only (``memory: false``);
 - ``full``: full causal attention (a window covering the whole input; exact, verified by the tests), run only up to
@@ -20,6 +22,10 @@ The model is trained with the framework's train step (``rag_jax.train.step``) an
 ``--checkpoint`` (loaded instead when it exists). Examples::
 
     python eval/passkey.py --checkpoint runs/passkey_model                     # train if missing, small eval
+    # the reported model: 2,000 steps at 256 tokens, then 800 more at 512 (about 25 min on 2 quiet CPU cores)
+    python eval/passkey.py --checkpoint runs/pk256 --train-len 256 --lengths 256 --methods full
+    python eval/passkey.py --checkpoint runs/passkey_model --init-from runs/pk256 --train-steps 800 --lr 1e-3 \
+        --lengths 512 --methods full
     python eval/passkey.py --checkpoint runs/passkey_model --lengths 4096 16384 65536 262144 1048576 --samples 5
 """
 from __future__ import annotations
@@ -52,7 +58,8 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 NEEDLE = "The pass key is:{key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is:"
 KV_INTRO = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
-METHODS = ("em_llm", "inf_llm", "sliding", "full")
+ANSWER_WEIGHT = 10.0
+METHODS = ("em_llm", "em_llm_inf_pos", "inf_llm", "sliding", "full")
 MIN_PASSKEY_LEN = len(NEEDLE.format(key="12345")) + len(QUESTION) + 16
 
 
@@ -108,15 +115,22 @@ def repeat_example(rng: np.random.Generator, length: int) -> str:
 
 
 def training_batch(rng: np.random.Generator, batch: int, seq_len: int) -> dict[str, np.ndarray]:
-    """Rows (each padded): passkey prompts with their answers (half), repeated digit strings (a quarter),
-    synthetic KV prompts (a quarter)."""
+    """Rows (each padded): passkey prompts with their answers (6 of 8), repeated digit strings (1 of 8),
+    synthetic KV prompts (1 of 8). KV rows are mostly random hex (irreducible loss); more of them slowed the
+    copy circuit's formation past 2,500 steps, while with this mix it forms in ~500.
+
+    ``loss_mask`` weighs every token 1 and the answered key ``ANSWER_WEIGHT``: the model first copied the key's
+    later digits (previous-digit induction) but missed the first one, the only prediction that needs the jump
+    from the question's ``is:`` to the needle's; its few targets per row were swamped by filler."""
     tokens = np.zeros((batch, seq_len), np.int32)
     segment_ids = np.zeros((batch, seq_len), np.int32)
+    loss_mask = np.ones((batch, seq_len), np.float32)
     for row in range(batch):
-        if row % 4 in (0, 1):
+        if row % 8 < 6:
             prompt, key = passkey_example(rng, int(rng.integers(MIN_PASSKEY_LEN, seq_len - 8)), rng.random())
             ids = np.concatenate([prompt, encode(key + ".")])
-        elif row % 4 == 2:
+            loss_mask[row, len(prompt):len(prompt) + len(key)] = ANSWER_WEIGHT
+        elif row % 8 == 6:
             ids = encode(repeat_example(rng, seq_len))
         else:
             text, answer = synthetic_kv_example(rng, seq_len)
@@ -124,7 +138,7 @@ def training_batch(rng: np.random.Generator, batch: int, seq_len: int) -> dict[s
         tokens[row, :len(ids)] = ids
         segment_ids[row, :len(ids)] = 1
     positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy()
-    return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids}
+    return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids, "loss_mask": loss_mask}
 
 
 def train_model(cfg: ModelConfig, steps: int, batch: int, seq_len: int, lr: float, seed: int,
@@ -172,6 +186,8 @@ def load_model(path: Path) -> Transformer:
 def method_config(method: str, base: EMLLMConfig, length: int, infllm_block: int) -> EMLLMConfig:
     if method == "em_llm":
         return base
+    if method == "em_llm_inf_pos":   # the same, with InfLLM positions (memory keys at one distance)
+        return base.replace(positions="inf_llm")
     if method == "inf_llm":
         return base.replace(segmentation="uniform", refinement=None, min_block_size=infllm_block,
                             max_block_size=infllm_block, n_mem=max(base.n_mem, infllm_block))
@@ -197,9 +213,11 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--checkpoint", type=Path, default=ROOT / "runs" / "passkey_model",
                    help="model folder: loaded if it exists, else trained and saved there")
-    p.add_argument("--train-steps", type=int, default=2500)
-    p.add_argument("--train-len", type=int, default=256, help="training context in tokens (<= 1024)")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--train-steps", type=int, default=2000)
+    p.add_argument("--train-len", type=int, default=512, help="training context in tokens (<= 1024)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2, help="layers of a newly trained model")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size of a newly trained model (4 heads)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--init-from", type=Path, default=None,
                    help="start training from this saved model (fine-tune further) instead of random weights")
@@ -220,11 +238,12 @@ def main(argv=None) -> None:
         model = load_model(args.checkpoint)
         print(f"loaded {args.checkpoint}")
     else:
-        cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_layers=3, num_heads=4,
-                          num_kv_heads=2, max_seq_len=args.train_len, rope_theta=10000.0)
+        cfg = ModelConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                          num_layers=args.layers, num_heads=4, num_kv_heads=2, max_seq_len=args.train_len,
+                          rope_theta=10000.0)
         init = load_model(args.init_from) if args.init_from else None
         if init is not None:
-            cfg = init.config
+            cfg = init.config.replace(max_seq_len=max(init.config.max_seq_len, args.train_len))
         model = train_model(cfg, args.train_steps, args.batch, args.train_len, args.lr, args.seed, init)
         save_model(model, args.checkpoint)
         print(f"saved {args.checkpoint}")
