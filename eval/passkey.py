@@ -269,7 +269,7 @@ def main(argv=None) -> None:
                   f"({np.median(speed[method]):,.0f} tok/s)", flush=True)
 
     print(f"\nPasskey accuracy: exact match of the 5-digit key / share of key digits right (chance 0.10); "
-          f"{args.samples} prompts per length; model trained at {args.train_len} tokens")
+          f"{args.samples} prompts per length; model trained at {model.config.max_seq_len} tokens")
     print("| method | " + " | ".join(f"{n:,}" for n in args.lengths) + " | median tok/s |")
     print("|---" * (len(args.lengths) + 2) + "|")
     for method in args.methods:
