@@ -6,8 +6,8 @@ synthetic key-value retrieval prompts (the "Lost in the Middle" JSON format with
 the same weights and four inference methods, all through ``rag_jax.memory.EMLLM``:
 
 - ``em_llm``: surprise segmentation + similarity retrieval (``--em-config``, default train/configs/em_llm_passkey.yaml,
-  contiguous memory positions);
-- ``em_llm_inf_pos``: the same with InfLLM positions (memory keys unrotated, query at distance ``n_local - 1``);
+  InfLLM positions: memory keys unrotated, query at distance ``n_local - 1``);
+- ``em_llm_contiguous``: the same with retrieved memory re-encoded at contiguous positions before the window;
 - ``inf_llm``: the same code with fixed ``--infllm-block``-token blocks (``segmentation: uniform``);
 - ``sliding``: the local window only (``memory: false``);
 - ``full``: full causal attention (a window covering the whole input; exact, verified by the tests), run only up to
@@ -59,7 +59,7 @@ NEEDLE = "The pass key is:{key}. Remember it. {key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is:"
 KV_INTRO = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
 ANSWER_WEIGHT = 10.0
-METHODS = ("em_llm", "em_llm_inf_pos", "inf_llm", "sliding", "full")
+METHODS = ("em_llm", "em_llm_contiguous", "inf_llm", "sliding", "full")
 MIN_PASSKEY_LEN = len(NEEDLE.format(key="12345")) + len(QUESTION) + 16
 
 
@@ -186,8 +186,8 @@ def load_model(path: Path) -> Transformer:
 def method_config(method: str, base: EMLLMConfig, length: int, infllm_block: int) -> EMLLMConfig:
     if method == "em_llm":
         return base
-    if method == "em_llm_inf_pos":   # the same, with InfLLM positions (memory keys at one distance)
-        return base.replace(positions="inf_llm")
+    if method == "em_llm_contiguous":   # the same, memory re-encoded at contiguous positions
+        return base.replace(positions="contiguous")
     if method == "inf_llm":
         return base.replace(segmentation="uniform", refinement=None, min_block_size=infllm_block,
                             max_block_size=infllm_block, n_mem=max(base.n_mem, infllm_block))
