@@ -3,7 +3,7 @@
 A small byte-level model (token = UTF-8 byte, vocab 256) is trained at short context (``--train-len`` <= 1K tokens)
 on passkey prompts (the standard filler "The grass is green. ..." of the passkey task used by InfLLM / EM-LLM) and
 synthetic key-value retrieval prompts (the "Lost in the Middle" JSON format with random UUIDs), then evaluated with
-the same weights and four inference methods, all through ``rag_jax.memory.EMLLM``:
+the same weights and five inference methods, all through ``rag_jax.memory.EMLLM``:
 
 - ``em_llm``: surprise segmentation + similarity retrieval (``--em-config``, default train/configs/em_llm_passkey.yaml,
   InfLLM positions: memory keys unrotated, query at distance ``n_local - 1``);
