@@ -81,14 +81,28 @@ def test_event_index_exact_search_against_numpy():
         index.add(vectors[:2], 10)
 
 
-def test_event_index_scann_matches_exact():
+@pytest.mark.parametrize("kind", ["scann", "scann_auto"])
+def test_event_index_scann_matches_exact(kind):
     rng = np.random.default_rng(2)
     vectors = rng.normal(size=(300, 8)).astype(np.float32)
-    index = EventIndex(8, "scann")
+    index = EventIndex(8, kind)
     for i in range(0, 300, 60):          # grows chunk by chunk, as during a stream
         index.add(vectors[i:i + 60], i)
         q = rng.normal(size=8).astype(np.float32)
         np.testing.assert_array_equal(index.search(q, 5), np.argsort(-(vectors[:i + 60] @ q))[:5])
+
+
+def test_event_index_scann_exact_past_quantization_threshold():
+    """Default ``scann`` stays exact where ``scann_auto`` switches to quantized search (> 20K events)."""
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(25_000, 16)).astype(np.float32)
+    index = EventIndex(16, "scann")
+    index.add(vectors[:20_000], 0)
+    index.add(vectors[20_000:], 20_000)
+    for _ in range(5):
+        q = rng.normal(size=16).astype(np.float32)
+        np.testing.assert_array_equal(index.search(q, 8), np.argsort(-(vectors.astype(np.float64) @ q))[:8])
+    assert index.index.params["mode"] == "brute_force"
 
 
 def _store_with_events(sizes, layers=2, kv_heads=2, d=4, seed=0):

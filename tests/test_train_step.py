@@ -120,3 +120,24 @@ def test_clipping_bounds_the_update():
     updates, _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_allclose(updates["w"], -1.0)
     np.testing.assert_allclose(updates["b"], 1.0)
+
+
+def test_init_train_state_from_given_params(params):
+    """``params=`` starts from a given model (e.g. a pretrained base) in the train state's shardings, fresh
+    optimizer state; bf16 params are cast to the state's float32 master weights."""
+    mesh = sharding.make_mesh(MESH_CFG)
+    rng = np.random.default_rng(4)
+    given = jax.tree.map(lambda p: (np.asarray(p) + rng.normal(size=p.shape)).astype(np.float32), params)
+    tx = optax.adam(1e-3)
+    _, state, shardings = step_lib.init_train_state(CFG, tx, mesh, seed=0, params=given)
+    for got, want, shard in zip(jax.tree.leaves(state.params), jax.tree.leaves(given),
+                                jax.tree.leaves(shardings.params)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert got.sharding == shard
+    assert int(state.step) == 0 and all(float(np.abs(np.asarray(m)).max()) == 0.0
+                                        for m in jax.tree.leaves(state.opt_state) if np.ndim(m) > 0)
+    half = jax.tree.map(lambda p: np.asarray(p).astype(jax.numpy.bfloat16), given)
+    _, state, _ = step_lib.init_train_state(CFG, tx, mesh, seed=0, params=half)
+    leaf = jax.tree.leaves(state.params)[0]
+    assert leaf.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(leaf), np.asarray(jax.tree.leaves(half)[0]).astype(np.float32))

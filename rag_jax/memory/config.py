@@ -16,7 +16,7 @@ import yaml
 SEGMENTATIONS = ("surprise", "uniform")
 REFINEMENTS = (None, "modularity", "conductance")
 POSITION_MODES = ("inf_llm", "contiguous")
-INDEX_KINDS = ("scann", "exact")
+INDEX_KINDS = ("scann", "scann_auto", "exact")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,11 @@ class EMLLMConfig:
         reference's 0.3; >= 1: a number of tokens).
       positions: ``"inf_llm"`` (memory keys unrotated, query at distance ``n_local - 1``) or
         ``"contiguous"`` (memory re-encoded at contiguous positions before the local window).
-      index: event lookup through ``rag_jax.retrieval``: ``"scann"`` (``ScannIndex``, parameters by store size:
-        exact brute-force scoring below 20K events, quantized search above) or ``"exact"`` (``ExactIndex``).
+      index: event lookup through ``rag_jax.retrieval``: ``"scann"`` (``ScannIndex`` scoring every event
+        exactly, as the reference's ``sort_by_similarity``, at every store size), ``"scann_auto"`` (ScaNN's
+        size-based parameters: quantized AH search above 20K events; faster past millions of events but
+        approximate: on the passkey eval at 1M tokens (~30K events) it lost the key's event, 0/2 prompts, where
+        exact scoring answered 2/2), or ``"exact"`` (``ExactIndex``, JAX on the host CPU).
       max_cached_events: device cache slots per layer (each ``max_block_size`` tokens); ``None`` sizes it
         to hold the largest retrieval.
       memory: ``False`` turns memory off (no init tokens, events or retrieval): the sliding-window baseline.

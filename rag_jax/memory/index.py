@@ -2,9 +2,10 @@
 
 EM-LLM ranks a layer's events by the inner product of the chunk's mean query with each event's representative
 vector (reference ``VectorTensor.sort_by_similarity``: exact). The vectors live on the host (the reference moves
-them to CPU past 50K tokens; host keeps device memory flat) in an ``Index``: ``ScannIndex`` by default, whose
-size-based parameters score exactly (brute force) below 20K events and switch to quantized search above, or
-``ExactIndex`` (JAX on the host CPU device) for validation.
+them to CPU past 50K tokens; host keeps device memory flat) in an ``Index``: ``ScannIndex`` by default, scoring
+every event exactly (brute force; ScaNN's quantized search lost the passkey's event at 1M tokens, see
+``EMLLMConfig.index``), optionally with its size-based quantized parameters, or ``ExactIndex`` (JAX on the host
+CPU device) for validation.
 """
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ import numpy as np
 
 
 def make_index(kind: str, dim: int):
-    """A ``rag_jax.retrieval`` index: ``"scann"`` (``ScannIndex``) or ``"exact"`` (``ExactIndex`` on the CPU)."""
-    if kind == "scann":
-        from rag_jax.retrieval.scann_index import ScannIndex
-        return ScannIndex(dim)
+    """A ``rag_jax.retrieval`` index (``EMLLMConfig.index``): ``"scann"`` (``ScannIndex``, brute-force scoring:
+    exact at every size), ``"scann_auto"`` (``ScannIndex`` with size-based parameters: quantized above 20K
+    events) or ``"exact"`` (``ExactIndex`` on the CPU)."""
+    if kind in ("scann", "scann_auto"):
+        from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
+        return ScannIndex(dim, ScannConfig(mode="brute_force" if kind == "scann" else "auto"))
     if kind == "exact":
         from rag_jax.retrieval.exact import ExactIndex
         return ExactIndex(dim, devices=jax.devices("cpu")[:1])
-    raise ValueError(f"index kind={kind!r}; valid: 'scann', 'exact'")
+    raise ValueError(f"index kind={kind!r}; valid: 'scann', 'scann_auto', 'exact'")
 
 
 class EventIndex:

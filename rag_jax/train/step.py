@@ -69,8 +69,13 @@ def train_state_shardings(abstract_state: TrainState, param_specs, tx: optax.Gra
 
 
 def init_train_state(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, *, seed: int = 0,
-                     remat_policy: str = "none", rules: sharding.Rules = sharding.DEFAULT_RULES):
+                     remat_policy: str = "none", rules: sharding.Rules = sharding.DEFAULT_RULES,
+                     params: nnx.State | None = None):
     """Create params and optimizer state directly in their shardings (no host-side full copy).
+
+    Args:
+      params: start from these parameters (e.g. a pretrained model's ``nnx.split(model)[1]``, matching ``cfg``)
+        instead of a random initialization; they are resharded into the train state's layout.
 
     Returns:
       ``(graphdef, TrainState, shardings: TrainState of NamedSharding)``.
@@ -78,11 +83,13 @@ def init_train_state(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: M
     graphdef, abstract, specs = abstract_train_state(cfg, tx, seed=seed, remat_policy=remat_policy)
     shardings = train_state_shardings(abstract, specs, tx, mesh, rules)
 
-    def init():
-        _, params = nnx.split(_build(cfg, seed, remat_policy))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    def init(start):
+        if start is None:
+            _, start = nnx.split(_build(cfg, seed, remat_policy))
+        start = jax.tree.map(lambda a, b: b.astype(a.dtype), abstract.params, start)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=start, opt_state=tx.init(start))
 
-    state = jax.jit(init, out_shardings=shardings)()
+    state = jax.jit(init, out_shardings=shardings)(params)
     return graphdef, state, shardings
 
 
