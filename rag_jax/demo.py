@@ -6,20 +6,26 @@ Pipeline (every stage is the project's own component; this module is only the gl
    a second, held-out universe (seed + 1: new people, new facts) for evaluation; or, with
    ``--data PATH``, one PhantomWiki-format folder (``rag_jax.data.loaders.load_phantomwiki``) whose
    questions are split into train / held-out. The default task is 1-hop attribute questions
-   ("What is the hobby of Ada Lee?"), whose answer is a span of the person's article: a small model
-   can learn to read it from retrieved text in minutes, and cannot guess it without retrieval.
+   ("What is the hobby of Ada Lee?"), whose answer is a span of the person's article: a small reader
+   copies it from the retrieved text, and cannot guess it without retrieval (beyond the gender).
    Articles are cut into passages, one per section (``# Name`` + ``## Family`` / ``## Friends`` /
    ``## Attributes``), the usual RAG chunking: a question's gold passages are the sections that state
    the facts its Prolog query reads.
-2. **Tokenizer**: byte-level BPE trained on the training texts (``rag_jax.data.tokenizer.train_bpe``).
+2. **Base model and tokenizer**: by default the packaged reader base ``demo_reader`` (an HF-format folder
+   in ``rag_jax/assets/``, made by ``train/pretrain_reader.py`` on universes the demo never uses: seeds 100+),
+   as GritLM and Block-Attention start from pretrained LMs. A model trained from scratch in this CPU budget
+   does not learn to read (held-out exact match stays at the ~0.15 of guessing the gender), so the base
+   brings that skill and the demo fine-tunes it. ``base: <folder>`` takes any HF-format folder with a
+   ``tokenizer.json``; ``base: null`` trains a byte-level BPE tokenizer on the training texts
+   (``rag_jax.data.tokenizer.train_bpe``) and a randomly initialized ``model`` (the GPU config does).
 3. **Training**, one jitted step (``rag_jax.train.step``) with the GRIT objective (GritLM, ICLR 2025,
    Eq. 3: ``L = L_Rep + λ·L_Gen``), where
    - ``L_Rep`` is GRIT's contrastive loss over (question, gold passage, hard negatives: the person's
      other sections and passages that mention them) in bidirectional embedding mode (``rag_jax.train.objectives.grit.GritLoss``, ``mode="embedding"``);
    - ``L_Gen`` is the Block-Attention fine-tuning loss (Block-Attention, ICLR 2025, §2.2-2.4;
      ``rag_jax.train.objectives.block.BlockLoss``) on RAG prompts ``[passage blocks..., question
-     block] -> answer``, each row trained in full and in block mode. Because this model starts from
-     random weights (the papers fine-tune pretrained LMs), passage tokens also carry a next-token
+     block] -> answer``, each row trained in full and in block mode. Because the model is small (and
+     may start from random weights), passage tokens also carry a next-token
      loss with weight ``train.lm_weight`` relative to answer tokens (the objective's ``loss_mask`` is a
      per-token weight). Question tokens carry none: their ``Question:`` -> `` What`` pattern would
      otherwise be what the model says after ``Answer:``.
@@ -69,6 +75,8 @@ __all__ = ["DemoConfig", "load_demo_config", "run", "load_checkpoint", "prepare_
 QUESTION_FORMAT = "Question: {question}\nAnswer:"
 EOS, BOS, PAD = "<eos>", "<bos>", "<pad>"
 ATTRIBUTE_PREDICATES = ("dob", "job", "hobby", "gender")
+DEFAULT_BASE = "demo_reader"
+ASSETS = Path(__file__).resolve().parent / "assets"
 QUESTION_KINDS = ("auto", "attribute", "evidence", "all")
 RETRIEVERS = ("grit", "minilm")
 
@@ -242,7 +250,15 @@ class EvalConfig:
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
     """The whole demo (sections above; ``model`` is a ``ModelConfig`` whose ``vocab_size`` is replaced
-    by the trained tokenizer's, ``optimizer`` an ``OptimizerConfig``, ``mesh`` a ``MeshConfig``)."""
+    by the trained tokenizer's, ``optimizer`` an ``OptimizerConfig``, ``mesh`` a ``MeshConfig``).
+
+    ``base``: the model to fine-tune (module docstring, stage 2): the name of a packaged base
+    (``demo_reader``, in ``rag_jax/assets/``), or a path to an HF-format folder (``config.json``,
+    ``*.safetensors``, ``tokenizer.json``); ``None`` (``base: null``) trains the tokenizer and a random
+    ``model`` from scratch. With a base, the ``model`` and ``tokenizer`` sections must not be set (the base
+    fixes both)."""
+
+    base: str | None = DEFAULT_BASE
 
     universe: UniverseConfig = dataclasses.field(default_factory=UniverseConfig)
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
@@ -276,7 +292,34 @@ def load_demo_config(path: str | os.PathLike | None = None, overrides: Sequence[
     model_section = user.get("model")
     if not (isinstance(model_section, dict) and "preset" in model_section):
         defaults["model"] = dict(DEMO_MODEL)
-    return config_lib.from_dict(DemoConfig, _merge(defaults, user), _from_string=keys)
+    cfg = config_lib.from_dict(DemoConfig, _merge(defaults, user), _from_string=keys)
+    fixed = [name for name in ("model", "tokenizer") if name in user]
+    if cfg.base is not None and fixed:
+        raise config_lib.ConfigError(
+            f"{' and '.join(fixed)} section(s) set while base={cfg.base!r}: the base model fixes the architecture "
+            "and tokenizer; remove them, or set base=null to train a tokenizer and model from scratch")
+    return cfg
+
+
+def resolve_base(base: str) -> Path:
+    """The folder of ``DemoConfig.base``: a packaged base name (``rag_jax/assets/<name>``) or a path.
+
+    Raises:
+      FileNotFoundError: no such folder, or it lacks ``config.json``, a ``*.safetensors`` file or
+        ``tokenizer.json``.
+    """
+    path = ASSETS / base if (ASSETS / base).is_dir() and "/" not in base else Path(base)
+    packaged = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
+    if not path.is_dir():
+        raise FileNotFoundError(f"base={base!r}: no such folder; use a packaged base {packaged}, an HF-format "
+                                "folder with tokenizer.json, or base=null (train from scratch)")
+    missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise FileNotFoundError(f"base={base!r} ({path}) lacks {missing}; an HF-format folder with "
+                                "tokenizer.json is needed")
+    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -648,8 +691,10 @@ def _mesh(cfg: DemoConfig):
     return sharding.make_mesh(cfg.mesh, devices=devices[:n])
 
 
-def _train(cfg: DemoConfig, model_cfg: ModelConfig, td: _TrainingData, mesh, progress: bool, log_dir: Path):
-    """Run the joint objective; returns ``(graphdef, state, history rows, train seconds, compile seconds)``."""
+def _train(cfg: DemoConfig, model_cfg: ModelConfig, td: _TrainingData, mesh, progress: bool, log_dir: Path,
+           init_params=None):
+    """Run the joint objective from ``init_params`` (a base model's ``nnx.State``; None: random init); returns
+    ``(graphdef, state, history rows, train seconds, compile seconds)``."""
     import jax
     from tqdm.auto import tqdm
 
@@ -670,7 +715,7 @@ def _train(cfg: DemoConfig, model_cfg: ModelConfig, td: _TrainingData, mesh, pro
                             BlockLoss(full_weight=tc.full_weight, block_weight=tc.block_weight), tc.gen_weight)
     tx = optim.make_optimizer(cfg.optimizer, tc.steps)
     schedule = optim.learning_rate_schedule(cfg.optimizer, tc.steps)
-    graphdef, state, shardings = step_lib.init_train_state(model_cfg, tx, mesh, seed=tc.seed)
+    graphdef, state, shardings = step_lib.init_train_state(model_cfg, tx, mesh, seed=tc.seed, params=init_params)
     train_step = step_lib.make_train_step(graphdef, tx, loss_fn, shardings, mesh, seed=tc.seed,
                                           learning_rate_fn=schedule)
 
@@ -948,7 +993,8 @@ def format_report(report: dict) -> str:
              f"task: {d['question_kind']} questions; {d['train_questions']} train / {d['eval_questions']} held-out; "
              f"articles cut into section passages: {d['train_passages']} train / {d['eval_passages']} held-out",
              f"model: {report['model']['num_layers']} layers, hidden {report['model']['hidden_size']}, "
-             f"{report['model']['params'] / 1e6:.2f}M params, vocab {report['model']['vocab_size']}",
+             f"{report['model']['params'] / 1e6:.2f}M params, vocab {report['model']['vocab_size']}; "
+             + (f"fine-tuned from base {report['model']['base']}" if report['model'].get('base') else "from scratch"),
              f"training: {tr['steps']} steps in {tr['seconds']:.0f} s (+{tr['compile_seconds']:.0f} s compile); final "
              f"loss {tr['final']['loss']:.3f}, GRIT in-batch top-1 {tr['final']['rep_accuracy']:.2f}, "
              f"next-token accuracy (loss-weighted) {tr['final']['gen_accuracy']:.2f}", ""]
@@ -1019,6 +1065,7 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
     """
     wall0, cpu0 = time.perf_counter(), time.process_time()
     out = check_output_dir(out_dir)
+    base_dir = resolve_base(cfg.base) if cfg.base is not None else None
     from rag_jax.retrieval.embedders import minilm_dir
     try:
         minilm_dir()
@@ -1052,18 +1099,34 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
     from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
     from rag_jax.train import step as step_lib
 
-    log(f"[2/7] tokenizer: byte-level BPE, vocab {cfg.tokenizer.vocab_size}")
     fmt = grit_format()
-    # The prompt and GRIT format strings are in every input: let BPE learn them as a few tokens.
-    texts = ([p["text"] for p in data.train_passages] + [q["question"] for q in data.train_questions]
-             + [question_block("") + " " + answer_text(q["answer"]) for q in data.train_questions]
-             + [fmt.embed_prefix(cfg.train.grit_instruction), fmt.embed_prefix("")] * 8)
-    tokenizer = train_bpe(texts, cfg.tokenizer.vocab_size, special_tokens=(PAD, BOS, EOS, "<unk>"))
-    vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # a multiple of 64: friendlier matmul shapes
+    if base_dir is None:
+        log(f"[2/7] tokenizer: byte-level BPE, vocab {cfg.tokenizer.vocab_size}; model from scratch")
+        # The prompt and GRIT format strings are in every input: let BPE learn them as a few tokens.
+        texts = ([p["text"] for p in data.train_passages] + [q["question"] for q in data.train_questions]
+                 + [question_block("") + " " + answer_text(q["answer"]) for q in data.train_questions]
+                 + [fmt.embed_prefix(cfg.train.grit_instruction), fmt.embed_prefix("")] * 8)
+        tokenizer = train_bpe(texts, cfg.tokenizer.vocab_size, special_tokens=(PAD, BOS, EOS, "<unk>"))
+        vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # a multiple of 64: friendlier matmul shapes
+        model_cfg, init_params = cfg.model.replace(vocab_size=vocab), None
+    else:
+        from flax import nnx
+
+        from rag_jax.data.tokenizer import load_tokenizer
+        from rag_jax.model.hf import load_hf
+        log(f"[2/7] base model and tokenizer: {cfg.base} ({base_dir})")
+        tokenizer = load_tokenizer(base_dir / "tokenizer.json")
+        missing = [t for t in (PAD, BOS, EOS) if tokenizer.token_to_id(t) is None]
+        if missing:
+            raise ValueError(f"base={cfg.base!r}: tokenizer.json lacks the special tokens {missing} the demo's "
+                             "prompts use")
+        model_cfg, base_model, _ = load_hf(base_dir, dtype="float32")
+        init_params = nnx.split(base_model)[1]
     td = _TrainingData(cfg, data, tokenizer, fmt)
-    model_cfg = cfg.model.replace(vocab_size=vocab)
-    resolved = dataclasses.replace(cfg, model=model_cfg, train=dataclasses.replace(
-        cfg.train, seq_len=td.seq_len, query_max_len=td.query_max_len, passage_max_len=td.passage_max_len))
+    # The checkpoint's config is self-contained: the model actually trained, its tokenizer saved beside it.
+    resolved = dataclasses.replace(cfg, base=None, model=model_cfg, train=dataclasses.replace(
+        cfg.train, seq_len=td.seq_len, query_max_len=td.query_max_len, passage_max_len=td.passage_max_len),
+        tokenizer=TokenizerConfig(vocab_size=tokenizer.get_vocab_size()))
     if td.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"train.seq_len={td.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; raise "
                          "model.max_seq_len or lower task.num_passages")
@@ -1071,11 +1134,11 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
 
     mesh = _mesh(cfg)
     params = count_params(model_cfg)
-    log(f"[3/7] training: {params / 1e6:.2f}M-param model, {cfg.train.steps} steps, GRIT (contrastive, "
+    log(f"[3/7] training: {params / 1e6:.2f}M-param model ({'fine-tuning ' + cfg.base if cfg.base else 'from scratch'}), {cfg.train.steps} steps, GRIT (contrastive, "
         f"{cfg.train.embedding_batch_size} queries x {cfg.train.group_size} passages) + Block-Attention "
         f"({cfg.train.rag_batch_size} prompts x {td.seq_len} tokens, full + block passes) on {mesh.size} device(s)")
     graphdef, state, history, train_s, compile_s = _train(
-        cfg, step_lib.apply_precision(model_cfg, cfg.train.precision), td, mesh, progress, out)
+        cfg, step_lib.apply_precision(model_cfg, cfg.train.precision), td, mesh, progress, out, init_params)
     model = (graphdef, state.params)
     t = stage("train", t)
 
@@ -1145,7 +1208,7 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
                  "train_articles": data.num_articles[0], "eval_articles": data.num_articles[1],
                  "train_passages": len(data.train_passages), "eval_passages": len(data.eval_passages),
                  "train_questions_dropped_too_long": td.dropped},
-        "model": {"params": params, **{f: getattr(model_cfg, f) for f in ("num_layers", "hidden_size", "num_heads",
+        "model": {"params": params, "base": str(base_dir) if base_dir else None, **{f: getattr(model_cfg, f) for f in ("num_layers", "hidden_size", "num_heads",
                                                                           "num_kv_heads", "vocab_size")}},
         "train": {"steps": cfg.train.steps, "seconds": train_s, "compile_seconds": compile_s,
                   "seq_len": td.seq_len, "final": history[-1], "history": history},

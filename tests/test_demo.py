@@ -86,11 +86,29 @@ def test_score_answer_hand_computed():
 
 
 def test_config_defaults_survive_partial_overrides():
-    cfg = demo.load_demo_config(None, ["model.num_layers=3", "optimizer.learning_rate=0.01", "train.steps=7"])
+    cfg = demo.load_demo_config(None, ["base=null", "model.num_layers=3", "optimizer.learning_rate=0.01",
+                                       "train.steps=7"])
     assert (cfg.model.num_layers, cfg.model.hidden_size) == (3, demo.DEMO_MODEL["hidden_size"])
     assert cfg.optimizer.learning_rate == 0.01 and cfg.optimizer.warmup_steps == demo.DEMO_OPTIMIZER["warmup_steps"]
     assert cfg.train.steps == 7 and cfg.retrieval.ks == (1, 2, 5, 10)
-    assert demo.load_demo_config(None, ["model.preset=tiny"]).model.hidden_size == 64  # the preset, not the demo's
+    assert demo.load_demo_config(None, ["base=null", "model.preset=tiny"]).model.hidden_size == 64  # the preset
+    assert demo.load_demo_config(None).base == demo.DEFAULT_BASE
+
+
+def test_config_base_fixes_model_and_tokenizer():
+    from rag_jax.config import ConfigError
+    for override in ("model.num_layers=3", "tokenizer.vocab_size=512"):
+        with pytest.raises(ConfigError, match="base=null"):
+            demo.load_demo_config(None, [override])
+
+
+def test_cli_missing_base(capsys, tmp_path):
+    err = _cli_error(capsys, ["demo", f"base={tmp_path / 'no_base'}", "--out", str(tmp_path / "o")])
+    assert "no_base" in err and "no such folder" in err and "base=null" in err
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    err = _cli_error(capsys, ["demo", f"base={tmp_path / 'half'}", "--out", str(tmp_path / "o")])
+    assert "tokenizer.json" in err and "safetensors" in err
 
 
 def _cli_error(capsys, argv) -> str:
@@ -135,3 +153,31 @@ def test_console_entry_point_one_line_error(tmp_path):
                            "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("rag-jax: error: PhantomWiki folder")
+
+
+def test_packaged_base_reads_a_held_out_universe():
+    """The shipped reader base (``train/pretrain_reader.py``) answers attribute questions about people it has
+    never seen (the demo's held-out universe, seed 1) from their gold passage, and cannot without it."""
+    from rag_jax.data.phantom import generate_universe
+    from rag_jax.data.tokenizer import load_tokenizer
+    from rag_jax.inference.block_attention import BlockAttention
+    from rag_jax.model.hf import load_hf
+
+    path = demo.resolve_base(demo.DEFAULT_BASE)
+    info = json.loads((path / "reader.json").read_text())
+    assert 1 not in info["train_seeds"] and 0 not in info["train_seeds"]
+    tok = load_tokenizer(path / "tokenizer.json")
+    _, model, _ = load_hf(path)
+    u = generate_universe(100, 1, max_hops=1, num_questions=400)
+    passages = demo.article_passages(u.articles)
+    qs = demo.select_questions(u.questions, passages, "attribute", 1, 1)[:40]
+    ba = BlockAttention(model)
+
+    def em(with_passage: bool) -> float:
+        prompts = [list(demo.rag_example(tok, q["question"], [passages[q["gold"][0]]["text"]] if with_passage
+                                         else []).blocks) for q in qs]
+        preds = demo.generate_answers(ba, tok, prompts, mode="block", max_new_tokens=12, batch_size=64)
+        return float(np.mean([demo.score_answer(p, q["answer"])["set_em"] for p, q in zip(preds, qs)]))
+
+    with_passage, without = em(True), em(False)
+    assert with_passage >= 0.8 and without <= 0.3, (with_passage, without)
