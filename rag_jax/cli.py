@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--seed", type=int, default=0)
     smoke.set_defaults(func=_smoke)
     demo = sub.add_parser(
-        "demo", help="the main job: universe -> tokenizer -> GRIT + Block-Attention training -> ScaNN retrieval "
+        "demo", help="the main job: universe -> reader base -> GRIT + Block-Attention fine-tuning -> ScaNN retrieval "
         "-> answers, TTFT, plots, metrics JSON, checkpoint (rag_jax/demo.py)",
         description="Train and evaluate a small retrieval-augmented model end to end (see rag_jax/demo.py). "
         "Default: a few minutes on 2 CPU cores.")
