@@ -766,30 +766,20 @@ def _atomic_write(path: Path, text: str) -> None:
 def _save_checkpoint(folder: Path, cfg: DemoConfig, state, tokenizer) -> Path:
     """Orbax train state (``rag_jax.train.checkpoint``) + ``tokenizer.json`` + resolved ``config.yaml``,
     written into a temporary folder next to ``folder`` and renamed into place (atomic)."""
-    import shutil
-
     import jax
     import yaml
 
+    from rag_jax.atomic import replace_directory
     from rag_jax.data.tokenizer import save_tokenizer
     from rag_jax.train.checkpoint import CheckpointConfig, Checkpointer
 
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
-    try:
+    with replace_directory(folder) as tmp:
         step = int(jax.device_get(state.step))
         ckpt = Checkpointer(CheckpointConfig(dir=str(tmp / "orbax"), save_every=max(step, 1), keep=1, async_save=False))
         ckpt.save(step, state, force=True)
         ckpt.close()
         save_tokenizer(tokenizer, tmp / "tokenizer.json")
         (tmp / "config.yaml").write_text(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-            os.replace(folder, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 

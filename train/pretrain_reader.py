@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -167,25 +164,16 @@ def heldout_em(model, tok, u: Universe, n: int = 100) -> dict[str, float]:
 
 def export(out: Path, model, tok, info: dict) -> None:
     """HF folder + tokenizer + reader.json, written next to ``out`` and renamed into place."""
+    from rag_jax.atomic import replace_directory
     from rag_jax.data.tokenizer import save_tokenizer
     from rag_jax.model.hf import save_hf
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with replace_directory(out) as tmp:
         save_hf(model, tmp / "model")
         for f in (tmp / "model").iterdir():
             f.rename(tmp / f.name)
         (tmp / "model").rmdir()
         save_tokenizer(tok, tmp / "tokenizer.json")
         (tmp / "reader.json").write_text(json.dumps(info, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def main(argv=None) -> int:

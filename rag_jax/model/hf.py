@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
+from rag_jax.atomic import replace_directory
 from rag_jax.model.config import ModelConfig
 from rag_jax.model.transformer import Transformer
 
@@ -216,9 +215,7 @@ def save_hf(model: Transformer, path: str | os.PathLike, arch: str = "LlamaForCa
             size = 0
         shards[-1][name] = tensors[name]
         size += nbytes
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with replace_directory(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, arch), indent=2))
         if len(shards) == 1:
             save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -231,12 +228,6 @@ def save_hf(model: Transformer, path: str | os.PathLike, arch: str = "LlamaForCa
             total = sum(t.size * t.dtype.itemsize for t in tensors.values())
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, indent=2))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 
