@@ -18,8 +18,10 @@ Recipe (measured on 2 CPU cores; the numbers it reached are written to ``reader.
 - loss: full causal attention, answer tokens weighted ``--answer-weight``, passage tokens ``--passage-weight``
   (next-token loss: the base also models the articles), question tokens 0;
 - model: 3 layers, hidden 128, 4 query / 2 KV heads, byte-level BPE of ``--vocab`` tokens trained on the
-  pretraining universes. Two layers did not learn to read in the same budget (as for the passkey reader,
-  ``eval/passkey.py``).
+  pretraining universes. A 2-layer model was still at the gender-guessing level (EM 0.15) after 300 steps;
+  3 layers reached 0.43 (gold passage alone) after 600 (as for the passkey reader, ``eval/passkey.py``).
+- the shipped base: these defaults, 2,400 steps in 40 min on 2 CPU cores; held-out EM 0.97 with the gold passage
+  alone, 0.93 next to another section of the same person, 0.54 next to another person's same section.
 
 Output: ``config.json`` + ``model.safetensors`` (``rag_jax.model.hf.save_hf``, Llama layout) + ``tokenizer.json``
 + ``reader.json`` (recipe, held-out exact match), written to a temporary folder and renamed into place. A
@@ -42,7 +44,7 @@ HELDOUT_SEED = 200  # the universe the script reports exact match on (neither a 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (HF format + tokenizer.json + reader.json)")
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=2400)
     p.add_argument("--batch", type=int, default=16, help="rows per step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--layers", type=int, default=3)
@@ -54,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=4, help="answered questions per row (the last one included)")
     p.add_argument("--answer-weight", type=float, default=5.0)
     p.add_argument("--passage-weight", type=float, default=0.1)
-    p.add_argument("--seq-len", type=int, default=384, help="row length in tokens (longer rows are redrawn)")
+    p.add_argument("--seq-len", type=int, default=320, help="row length in tokens (longer rows are redrawn)")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
