@@ -491,6 +491,40 @@ def rag_example(tokenizer, question: str, passages: Sequence[str], answer: str |
                              last_format=QUESTION_FORMAT, response_suffix=EOS)
 
 
+def turns_block(turns: Sequence[tuple[Sequence[int], Sequence[int]]], newline: Sequence[int],
+                question: Sequence[int], room: int | None = None) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """The last block of a multi-turn RAG row: answered ``(question ids, answer ids)`` turns, each followed by
+    ``newline``, then the open ``question``. Turns are added while they fit in ``room`` tokens (None: all).
+
+    Returns ``(block ids, answer spans)``: each earlier answer's ``[start, end)`` within the block (loss targets).
+    """
+    last, spans = (), []
+    for q, a in turns:
+        piece = tuple(q) + tuple(a) + tuple(newline)
+        if room is not None and len(piece) > room:
+            break
+        spans.append((len(last) + len(q), len(last) + len(q) + len(a)))
+        last = last + piece
+        room = None if room is None else room - len(piece)
+    return last + tuple(question), spans
+
+
+def weighted_rag_batch(rows, seq_len: int, *, answer_weight: float = 1.0, passage_weight: float = 0.0):
+    """Collate ``(BlockExample, answer spans of its last block)`` rows (``block_rag.collate``) with a per-token
+    ``loss_mask``: ``answer_weight`` on the response and the earlier answers, ``passage_weight`` on passage
+    tokens (next-token loss on the documents), 0 on the question tokens."""
+    from rag_jax.data.block_rag import collate
+    batch = collate([ex for ex, _ in rows], seq_len)
+    for r, (ex, spans) in enumerate(rows):
+        start = sum(len(b) for b in ex.blocks[:-1])
+        for a, b in spans:
+            batch["loss_mask"][r, start + a:start + b] = 1.0
+    passage = (batch["segment_ids"] > 0) & ~batch["is_global"]
+    batch["loss_mask"] = np.where(batch["loss_mask"] > 0, answer_weight,
+                                  np.where(passage, passage_weight, 0.0)).astype(np.float32)
+    return batch
+
+
 def answer_text(answers: Sequence[str]) -> str:
     """Answer set -> the response string (PhantomWiki's comma-separated form)."""
     return ", ".join(answers)
@@ -577,7 +611,7 @@ class _TrainingData:
     def __init__(self, cfg: DemoConfig, data: DemoData, tokenizer, fmt):
         import grain
 
-        from rag_jax.data.block_rag import BlockExample, collate, encode
+        from rag_jax.data.block_rag import BlockExample, encode
         from rag_jax.data.grit import GritDataConfig, embedding_dataset
 
         tc, k = cfg.train, cfg.task.num_passages
@@ -629,27 +663,11 @@ class _TrainingData:
                           and set(self.questions[o]["gold"]) <= set(chosen)}
             others = rng.permutation(sorted(answerable))[:rng.integers(max_turns)]
             room = self.seq_len - int(lengths[chosen].sum()) - len(q_tokens[j]) - len(a_tokens[j])
-            last, spans = (), []
-            for o in others:
-                piece = q_tokens[o] + a_tokens[o] + newline
-                if len(piece) > room:
-                    break
-                spans.append((len(last) + len(q_tokens[o]), len(last) + len(q_tokens[o]) + len(a_tokens[o])))
-                last, room = last + piece, room - len(piece)
-            blocks = tuple(tokens[i] for i in chosen) + (last + q_tokens[j],)
-            return BlockExample(blocks, a_tokens[j]), spans
+            last, spans = turns_block([(q_tokens[o], a_tokens[o]) for o in others], newline, q_tokens[j], room)
+            return BlockExample(tuple(tokens[i] for i in chosen) + (last,), a_tokens[j]), spans
 
-        def rag_batch(rows):
-            batch = collate([ex for ex, _ in rows], self.seq_len)
-            for r, (ex, spans) in enumerate(rows):  # answers of the earlier turns are targets too
-                start = sum(len(b) for b in ex.blocks[:-1])
-                for a, b in spans:
-                    batch["loss_mask"][r, start + a:start + b] = 1.0
-            if lm_weight > 0:  # next-token loss on passage tokens too (module docstring, stage 3)
-                passage = (batch["segment_ids"] > 0) & ~batch["is_global"]
-                batch["loss_mask"] = np.where(batch["loss_mask"] > 0, 1.0,
-                                              np.where(passage, lm_weight, 0.0)).astype(np.float32)
-            return batch
+        def rag_batch(rows):  # answers of the earlier turns are targets too; passage tokens weigh lm_weight
+            return weighted_rag_batch(rows, self.seq_len, passage_weight=lm_weight)  # (module docstring, stage 3)
 
         self.rag = (grain.MapDataset.source(list(range(len(self.questions)))).shuffle(seed=tc.seed).repeat(None)
                     .random_map(rag_row, seed=tc.seed)

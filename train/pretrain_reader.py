@@ -113,19 +113,16 @@ def encode_row(tok, u: Universe, q: dict, chosen, earlier, cache: dict):
             cache[text] = tuple(encode(tok, text))
         return cache[text]
 
-    last, spans = (), []
-    for o in earlier:
-        qa, aa = enc(demo.question_block(o["question"])), enc(" " + demo.answer_text(o["answer"]) + demo.EOS)
-        spans.append((len(last) + len(qa), len(last) + len(qa) + len(aa)))
-        last = last + qa + aa + enc("\n")
-    last = last + enc(demo.question_block(q["question"]))
+    last, spans = demo.turns_block([(enc(demo.question_block(o["question"])), enc(" " + demo.answer_text(o["answer"])
+                                                                                   + demo.EOS)) for o in earlier],
+                                   enc("\n"), enc(demo.question_block(q["question"])))
     blocks = tuple(enc(u.passages[i]["text"]) for i in chosen) + (last,)
     return BlockExample(blocks, enc(" " + demo.answer_text(q["answer"]) + demo.EOS)), spans
 
 
 def make_batch(tok, universes, step: int, args, cache: dict) -> dict[str, np.ndarray]:
     """The rows of ``step`` (a function of the step and seed only, so a resumed run sees the same data)."""
-    from rag_jax.data.block_rag import collate
+    from rag_jax import demo
     rng = random.Random(args.seed * 1_000_003 + step)
     max_k = 1 if step < args.steps // 2 else args.max_passages
     rows = []
@@ -135,15 +132,8 @@ def make_batch(tok, universes, step: int, args, cache: dict) -> dict[str, np.nda
         ex, spans = encode_row(tok, u, q, *u.row(q, rng.randint(1, max_k), args.turns, rng), cache)
         if ex.num_tokens <= args.seq_len:
             rows.append((ex, spans))
-    batch = collate([ex for ex, _ in rows], args.seq_len)
-    for r, (ex, spans) in enumerate(rows):
-        start = sum(len(b) for b in ex.blocks[:-1])
-        for a, b in spans:
-            batch["loss_mask"][r, start + a:start + b] = 1.0
-    passage = (batch["segment_ids"] > 0) & ~batch["is_global"]
-    batch["loss_mask"] = np.where(batch["loss_mask"] > 0, args.answer_weight,
-                                  np.where(passage, args.passage_weight, 0.0)).astype(np.float32)
-    return batch
+    return demo.weighted_rag_batch(rows, args.seq_len, answer_weight=args.answer_weight,
+                                   passage_weight=args.passage_weight)
 
 
 def heldout_em(model, tok, u: Universe, n: int = 100) -> dict[str, float]:
