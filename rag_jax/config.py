@@ -262,11 +262,23 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(cls, yaml_path: str | Path | None = None, overrides: list[str] = ()):
-    """defaults <- YAML file <- ``key=value`` overrides, validated into ``cls``."""
+def load_config(cls, yaml_path: str | Path | None = None, overrides: list[str] = (), *, defaults=None):
+    """The one config loader: ``cls`` defaults <- ``defaults`` <- YAML file <- ``key=value`` overrides, validated
+    into ``cls`` (a dataclass of dataclass sections).
+
+    Args:
+      defaults: a nested dict of defaults that differ from the dataclasses' own (e.g. the demo's small model),
+        or a function of the user's merged YAML + overrides dict returning one (defaults that depend on what
+        the user chose, such as a model preset).
+
+    Raises:
+      ConfigError (a ValueError): see :func:`load_yaml`, :func:`parse_overrides` and :func:`from_dict`.
+    """
     data = load_yaml(yaml_path) if yaml_path is not None else {}
     nested, keys = parse_overrides(list(overrides))
-    return from_dict(cls, _merge(data, nested), _from_string=keys)
+    user = _merge(data, nested)
+    base = defaults(user) if callable(defaults) else (defaults or {})
+    return from_dict(cls, _merge(base, user), _from_string=keys)
 
 
 def to_dict(cfg) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """`rag-jax demo` end to end at toy size, its config loading, and the CLI's answers to bad input.
 
 The end-to-end run is checked against independent references: answers are recomputed from the
-article text with a regex, the report's GRIT recall is recomputed from the saved checkpoint with a
+article text with a regex, the report's GRIT recall is recomputed from the saved run folder with a
 NumPy brute-force search and hand-written recall, and the metrics JSON equals the returned report.
 """
 import json
@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from rag_jax import cli, demo
+from rag_jax.data import phantom_rag
+from rag_jax.evaluation import rag as rag_eval
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "train" / "configs" / "demo_tiny.yaml"
@@ -35,7 +37,7 @@ def test_tiny_demo_writes_report_plots_and_checkpoint(tiny_run):
     for name in ("loss.png", "ttft.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len((out / "metrics.jsonl").read_text().splitlines()) == cfg.train.steps
-    assert {"config.yaml", "tokenizer.json", "orbax"} <= {p.name for p in (out / "checkpoint").iterdir()}
+    assert {"config.yaml", "tokenizer.json", "checkpoints"} <= {p.name for p in out.iterdir()}  # a run folder
     assert set(report["qa"]["conditions"]) == {"no_retrieval", "retrieval_full", "retrieval_block", "oracle_block"}
     for scores in report["qa"]["conditions"].values():
         assert all(0.0 <= scores[m] <= 1.0 for m in ("em", "f1", "subspan_em", "set_em", "set_f1"))
@@ -52,7 +54,7 @@ def test_tiny_demo_writes_report_plots_and_checkpoint(tiny_run):
 
 def test_tiny_demo_data_are_attribute_questions_answered_by_their_article():
     cfg = demo.load_demo_config(TINY)
-    data = demo.prepare_data(cfg)
+    data = phantom_rag.prepare_data(cfg.universe, cfg.task)
     arts: dict[str, str] = {}
     for p in data.eval_passages:
         arts[p["title"]] = arts.get(p["title"], "") + "\n" + p["text"]
@@ -70,18 +72,18 @@ def test_tiny_demo_data_are_attribute_questions_answered_by_their_article():
 def test_rag_prompt_blocks_decode_to_passages_and_question():
     from rag_jax.data.tokenizer import train_bpe
     tok = train_bpe(["# Ada Lee\nThe hobby of Ada Lee is chess.\n", "Question: What is it?\nAnswer:"] * 5, 300,
-                    special_tokens=(demo.PAD, demo.BOS, demo.EOS, "<unk>"))
-    ex = demo.rag_example(tok, "What is the hobby of Ada Lee?", ["# Ada Lee\nhobby chess\n", "# Bo\nx\n"], "chess")
+                    special_tokens=(phantom_rag.PAD, phantom_rag.BOS, phantom_rag.EOS, "<unk>"))
+    ex = phantom_rag.rag_example(tok, "What is the hobby of Ada Lee?", ["# Ada Lee\nhobby chess\n", "# Bo\nx\n"], "chess")
     decoded = [tok.decode(list(b)) for b in ex.blocks]
     assert decoded == ["# Ada Lee\nhobby chess\n", "# Bo\nx\n", "Question: What is the hobby of Ada Lee?\nAnswer:"]
-    assert ex.response[-1] == tok.token_to_id(demo.EOS) and tok.decode(list(ex.response)) == " chess"
+    assert ex.response[-1] == tok.token_to_id(phantom_rag.EOS) and tok.decode(list(ex.response)) == " chess"
 
 
 def test_score_answer_hand_computed():
-    s = demo.score_answer("Ada Lee, bo", ["Ada Lee", "Bo", "Cy"])
+    s = rag_eval.score_answer("Ada Lee, bo", ["Ada Lee", "Bo", "Cy"])
     assert s["set_em"] == 0.0 and s["set_f1"] == pytest.approx(2 * (2 / 2) * (2 / 3) / (1 + 2 / 3))
     assert s["em"] == 0.0 and s["subspan_em"] == 0.0
-    s = demo.score_answer("the Eiffel Tower!", ["Eiffel Tower", "Paris"], golds_are_set=False)
+    s = rag_eval.score_answer("the Eiffel Tower!", ["Eiffel Tower", "Paris"], golds_are_set=False)
     assert s["em"] == 1.0 and s["set_em"] == 0.0
 
 
@@ -170,15 +172,15 @@ def test_packaged_base_reads_a_held_out_universe():
     tok = load_tokenizer(path / "tokenizer.json")
     _, model, _ = load_hf(path)
     u = generate_universe(100, 1, max_hops=1, num_questions=400)
-    passages = demo.article_passages(u.articles)
-    qs = demo.select_questions(u.questions, passages, "attribute", 1, 1)[:40]
+    passages = phantom_rag.article_passages(u.articles)
+    qs = phantom_rag.select_questions(u.questions, passages, "attribute", 1, 1)[:40]
     ba = BlockAttention(model)
 
     def em(with_passage: bool) -> float:
-        prompts = [list(demo.rag_example(tok, q["question"], [passages[q["gold"][0]]["text"]] if with_passage
+        prompts = [list(phantom_rag.rag_example(tok, q["question"], [passages[q["gold"][0]]["text"]] if with_passage
                                          else []).blocks) for q in qs]
-        preds = demo.generate_answers(ba, tok, prompts, mode="block", max_new_tokens=12, batch_size=64)
-        return float(np.mean([demo.score_answer(p, q["answer"])["set_em"] for p, q in zip(preds, qs)]))
+        preds = rag_eval.generate_answers(ba, tok, prompts, mode="block", max_new_tokens=12, batch_size=64)
+        return float(np.mean([rag_eval.score_answer(p, q["answer"])["set_em"] for p, q in zip(preds, qs)]))
 
     with_passage, without = em(True), em(False)
     assert with_passage >= 0.8 and without <= 0.3, (with_passage, without)

@@ -58,17 +58,29 @@ def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, peak_per_
 
 
 class MetricWriter:
-    """Writes scalar metrics to ``<dir>/metrics.jsonl`` and TensorBoard event files on process 0 only."""
+    """Writes scalar metrics to ``<dir>/metrics.jsonl`` and TensorBoard event files on process 0 only.
 
-    def __init__(self, log_dir: str | Path | None, *, jsonl: bool = True, tensorboard: bool = True):
+    ``from_step``: the step the run starts from. Rows of a previous attempt after it (a run killed after
+    logging, resumed from an earlier checkpoint) are dropped, so the file holds one curve; ``from_step=0``
+    starts a new file. :meth:`history` returns the rows with a prefix, earlier attempts' included.
+    """
+
+    def __init__(self, log_dir: str | Path | None, *, jsonl: bool = True, tensorboard: bool = True,
+                 from_step: int = 0):
         self.enabled = log_dir is not None and jax.process_index() == 0
         self._jsonl = self._tb = None
+        self._rows: list[dict] = []
         if not self.enabled:
             return
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
+        path = log_dir / "metrics.jsonl"
+        if path.is_file():
+            self._rows = [r for r in read_jsonl(path) if from_step and r.get("step", 0) <= from_step]
         if jsonl:
-            self._jsonl = open(log_dir / "metrics.jsonl", "a", buffering=1)
+            from rag_jax.atomic import write_text
+            write_text(path, "".join(json.dumps(r) + "\n" for r in self._rows))
+            self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(str(log_dir / "tensorboard"))
@@ -76,13 +88,23 @@ class MetricWriter:
     def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
         if not self.enabled:
             return
-        row = {f"{prefix}{k}": (float(v) if v is not None else None) for k, v in metrics.items()}
+        row = {"step": int(step), **{f"{prefix}{k}": (float(v) if v is not None else None) for k, v in metrics.items()}}
+        self._rows.append(row)
         if self._jsonl:
-            self._jsonl.write(json.dumps({"step": int(step), **row}) + "\n")
+            self._jsonl.write(json.dumps(row) + "\n")
         if self._tb:
             for k, v in row.items():
-                if v is not None:
+                if v is not None and k != "step":
                     self._tb.add_scalar(k, v, int(step))
+
+    def history(self, prefix: str) -> list[dict]:
+        """Rows holding keys with ``prefix``, as ``{"step", <key without prefix>: value, ...}`` (process 0)."""
+        out = []
+        for r in self._rows:
+            keys = {k[len(prefix):]: v for k, v in r.items() if k.startswith(prefix)}
+            if keys:
+                out.append({"step": r["step"], **keys})
+        return out
 
     def close(self) -> None:
         if self._jsonl:

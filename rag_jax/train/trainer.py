@@ -1,8 +1,20 @@
-"""The training run: config -> mesh -> sharded state -> (resume) -> step loop with logging, eval, checkpoints.
+"""The one training loop: ``run(config, task)`` for every training in the repository.
 
-``RunConfig`` nests each component's config; ``run(cfg)`` is what ``python -m train.train`` calls after
-``rag_jax.distributed.initialize()``. Every input check (mesh size, batch divisibility, dataset and
-tokenizer presence, sequence length) runs before anything is compiled.
+A **task** (:class:`Task`) is what is trained: a loss function and its batches (plus an optional held-out
+evaluation and the tokenizer). The LM task over a tokenized dataset (:func:`lm_task`, the default of
+``run(cfg)``), the Block-Attention, GRIT and GRIT + Block objectives, the demo, the reader pretraining and the
+passkey reader are all tasks; ``run`` owns everything else (the way levanter's ``Trainer`` takes hooks):
+mesh, sharded state, resume, the jitted step, logging, evaluation, checkpoints and the **run folder**:
+
+    <train.run_dir>/config.yaml        the complete resolved config (self-contained; ``rag_jax.train.run_folder``)
+    <train.run_dir>/tokenizer.json     the task's tokenizer, if it has one
+    <train.run_dir>/metrics.jsonl      one JSON row per logged step (``train/...``, ``eval/...``)
+    <train.run_dir>/tensorboard/       TensorBoard events
+    <checkpoint.dir>/<step>/           orbax steps (default ``<run_dir>/checkpoints`` when run_dir is set)
+
+``hooks`` are called at every logged step with a :class:`StepInfo` (progress displays, early plots, custom
+evaluation). Every input check (mesh size, batch divisibility, dataset and tokenizer presence, sequence
+length) runs before anything is compiled.
 """
 from __future__ import annotations
 
@@ -12,6 +24,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
@@ -126,119 +139,270 @@ def resolve_objective(name: str) -> Callable:
     return obj() if isinstance(obj, type) else obj
 
 
-class Run:
-    """The pieces of a run, built and validated without compiling anything (``build``)."""
+@dataclasses.dataclass
+class Task:
+    """What a run trains.
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
-        tc = cfg.train
-        self.model_cfg = step_lib.apply_precision(cfg.model, tc.precision)
-        self.mesh = sharding.make_mesh(cfg.mesh)
-        sharding.check_global_batch(tc.global_batch_size, self.mesh, cfg.rules, tc.grad_accum_steps)
-        self.tokenizer_path = pipeline.check_dataset(cfg.data, cfg.model.vocab_size)
-        tok_vocab = load_tokenizer(self.tokenizer_path).get_vocab_size()
-        if tok_vocab > cfg.model.vocab_size:
-            raise ValueError(f"tokenizer {self.tokenizer_path} has {tok_vocab} tokens but model.vocab_size="
-                             f"{cfg.model.vocab_size}")
-        self.loss_fn = resolve_objective(tc.objective)
-        self.schedule = optim.learning_rate_schedule(cfg.optimizer, tc.steps)
-        self.tx = optim.make_optimizer(cfg.optimizer, tc.steps)
-        self.batch_sharding = NamedSharding(self.mesh, sharding.logical_to_spec(("batch",), self.mesh, cfg.rules))
-        self.rows = pipeline.host_rows(self.batch_sharding, tc.global_batch_size)
-        self.flops_per_token = metrics_lib.train_flops_per_token(self.model_cfg, cfg.data.seq_len)
-        self.peak = metrics_lib.peak_flops_per_device(self.mesh.devices.flat[0], cfg.logging.peak_flops_per_device)
+    Attributes:
+      loss_fn: hashable ``(model, batch, rng) -> (loss, metrics)`` (``rag_jax.train.objectives``); a
+        ``metrics["num_tokens"]`` weights gradient-accumulation micro-batches.
+      batch: ``step -> {name: np.ndarray [rows, ...]}``, the batch of 0-based ``step`` on this process.
+        Deterministic in ``step`` (so a resumed run sees the same data) unless ``data_iter`` is set.
+      name: shown in the progress bar.
+      global_batch_size: rows per step over all processes (multi-host); None = each array's leading size
+        (single process: the host batch is the global batch).
+      data_iter: a grain ``DatasetIterator`` whose position is saved with each checkpoint (its batches
+        are what ``batch`` returns).
+      evaluate: optional ``(graphdef, params) -> {metric: float}`` held-out evaluation, run every
+        ``train.eval_every`` steps and after the last step.
+      tokenizer: a ``tokenizers.Tokenizer`` written to ``<run_dir>/tokenizer.json``.
+      progress_keys: metrics shown in the progress bar besides the loss.
+    """
 
-    def dataset(self, split: str, shuffle: bool):
-        return pipeline.make_lm_dataset(self.cfg.data, split=split, global_batch=self.cfg.train.global_batch_size,
-                                        tokenizer_path=self.tokenizer_path, row_range=self.rows, shuffle=shuffle)
-
-    def to_global(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return sharding.to_global(host_batch, self.mesh, self.cfg.train.global_batch_size, self.cfg.rules)
-
-
-def _evaluate(run: Run, eval_step, params) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    weight = 0.0
-    it = iter(run.dataset("validation", shuffle=False))
-    for _ in range(run.cfg.data.eval_batches):
-        m = jax.device_get(eval_step(params, run.to_global(next(it))))
-        w = float(m.get("num_tokens", 1.0))
-        for k, v in m.items():
-            totals[k] = totals.get(k, 0.0) + (float(v) if k == "num_tokens" else w * float(v))
-        weight += w
-    return {k: v if k == "num_tokens" else v / max(weight, 1e-9) for k, v in totals.items()}
+    loss_fn: Callable
+    batch: Callable[[int], dict[str, np.ndarray]]
+    name: str = "training"
+    global_batch_size: int | None = None
+    data_iter: Any = None
+    evaluate: Callable[[Any, Any], dict[str, float]] | None = None
+    tokenizer: Any = None
+    progress_keys: tuple[str, ...] = ("accuracy",)
 
 
-def run(cfg: RunConfig) -> dict[str, Any]:
-    """Train per ``cfg``; returns ``{"step", "train_loss", "eval": [(step, metrics), ...]}``.
+@dataclasses.dataclass
+class StepInfo:
+    """What a hook sees at a logged step: the 1-based ``step``, its ``metrics`` (host floats, incl.
+    ``step_time_s``, ``tokens_per_s`` when known, ``elapsed_s``) and the train ``state``."""
+
+    step: int
+    metrics: dict[str, float]
+    state: Any
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """``graphdef`` + ``state`` (``nnx.merge(graphdef, state.params)`` is the model), ``history`` (the
+    logged ``train/`` rows of ``metrics.jsonl``, one dict per logged step incl. ``step``), ``eval``
+    (``[(step, metrics)]``), ``train_seconds`` (wall, step loop only) and ``compile_seconds``."""
+
+    graphdef: Any
+    state: Any
+    history: list[dict]
+    eval: list[tuple[int, dict]]
+    train_seconds: float
+    compile_seconds: float
+
+    @property
+    def step(self) -> int:
+        return int(jax.device_get(self.state.step))
+
+    @property
+    def train_loss(self) -> float:
+        return self.history[-1]["loss"] if self.history else math.nan
+
+    def __getitem__(self, key):  # the dict interface of earlier versions: result["step"], ...
+        return getattr(self, key)
+
+
+def lm_task(cfg: RunConfig, mesh) -> Task:
+    """Next-token LM over ``cfg.data`` (a tokenized tfds dataset; ``rag_jax.data.pipeline``) with the objective
+    ``train.objective``; held-out loss over ``data.eval_batches`` validation batches.
+
+    Raises:
+      ValueError / FileNotFoundError: missing dataset or tokenizer, a tokenizer larger than the vocabulary,
+        a global batch the mesh cannot split, an unknown objective.
+    """
+    tc = cfg.train
+    sharding.check_global_batch(tc.global_batch_size, mesh, cfg.rules, tc.grad_accum_steps)
+    tokenizer_path = pipeline.check_dataset(cfg.data, cfg.model.vocab_size)
+    tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer.get_vocab_size() > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer_path} has {tokenizer.get_vocab_size()} tokens but model.vocab_size="
+                         f"{cfg.model.vocab_size}")
+    rows = pipeline.host_rows(NamedSharding(mesh, sharding.logical_to_spec(("batch",), mesh, cfg.rules)),
+                              tc.global_batch_size)
+
+    def dataset(split, shuffle):
+        return pipeline.make_lm_dataset(cfg.data, split=split, global_batch=tc.global_batch_size,
+                                        tokenizer_path=tokenizer_path, row_range=rows, shuffle=shuffle)
+
+    train_iter = iter(dataset("train", True))
+    loss_fn = resolve_objective(tc.objective)
+    eval_steps: dict[Any, Callable] = {}
+
+    def evaluate(graphdef, params) -> dict[str, float]:
+        if not cfg.data.eval_batches:
+            return {}
+        if graphdef not in eval_steps:
+            shardings = jax.tree.map(lambda x: x.sharding, params)
+            eval_steps[graphdef] = step_lib.make_eval_step(graphdef, loss_fn, shardings, mesh, cfg.rules)
+        totals, weight = {}, 0.0
+        it = iter(dataset("validation", False))
+        for _ in range(cfg.data.eval_batches):
+            m = jax.device_get(eval_steps[graphdef](params, to_global(next(it), mesh, tc.global_batch_size, cfg.rules)))
+            w = float(m.get("num_tokens", 1.0))
+            for k, v in m.items():
+                totals[k] = totals.get(k, 0.0) + (float(v) if k == "num_tokens" else w * float(v))
+            weight += w
+        return {k: v if k == "num_tokens" else v / max(weight, 1e-9) for k, v in totals.items()}
+
+    return Task(loss_fn, lambda step: next(train_iter), name=f"LM ({tc.objective})",
+                global_batch_size=tc.global_batch_size, data_iter=train_iter, evaluate=evaluate, tokenizer=tokenizer)
+
+
+def to_global(batch: dict[str, np.ndarray], mesh, global_batch: int | None, rules=sharding.DEFAULT_RULES) -> dict:
+    """Host batch -> global ``jax.Array``s, each array's leading (batch) axis over the data-parallel mesh axes.
+    ``global_batch`` None: every array's own leading size (single-process tasks)."""
+    return {k: jax.make_array_from_process_local_data(
+        sharding.batch_sharding(mesh, v.ndim, rules), v, ((global_batch or v.shape[0]),) + v.shape[1:])
+        for k, v in batch.items()}
+
+
+def _check_batch(batch: dict[str, np.ndarray], mesh, rules) -> None:
+    for k, v in batch.items():
+        try:
+            sharding.check_global_batch(v.shape[0], mesh, rules)
+        except ValueError as e:
+            raise ValueError(f"batch[{k!r}] (leading size {v.shape[0]}): {e}") from None
+
+
+def _write_run_files(cfg: RunConfig, task: Task, extra_config: dict | None) -> None:
+    import yaml
+
+    from rag_jax.atomic import write_text
+    from rag_jax.data.tokenizer import save_tokenizer
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = {**config_lib.to_dict(cfg), **(extra_config or {})}
+    write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    if task.tokenizer is not None:
+        save_tokenizer(task.tokenizer, run_dir / "tokenizer.json")
+
+
+def run(cfg: RunConfig, task: Task | None = None, *, init_params=None, mesh=None, hooks: Sequence[Callable] = (),
+        extra_config: dict | None = None) -> TrainResult:
+    """Train ``task`` (default: :func:`lm_task` of ``cfg``) per ``cfg``; returns a :class:`TrainResult`.
+
+    Args:
+      cfg: model, mesh, rules, optimizer, train, checkpoint and logging sections (``cfg.data`` only for the
+        LM task). With ``train.run_dir`` set, the run folder (module docstring) is written there and
+        ``checkpoint.dir`` defaults to ``<run_dir>/checkpoints``.
+      task: what to train.
+      init_params: an ``nnx.State`` of parameters to start from (fine-tuning a base), cast to the master
+        dtype; None = random init from ``train.seed``.
+      mesh: a prebuilt mesh (e.g. a subset of devices); None = ``sharding.make_mesh(cfg.mesh)``.
+      hooks: ``hook(StepInfo)`` callables run at every logged step on process 0.
+      extra_config: sections added to ``config.yaml`` (a caller's own config, e.g. the demo's task).
 
     Raises:
       ValueError / FileNotFoundError: bad config or inputs (before compiling).
     """
-    r = Run(cfg)
     tc, is_main = cfg.train, jax.process_index() == 0
+    model_cfg = step_lib.apply_precision(cfg.model, tc.precision)
+    mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
+    task = task if task is not None else lm_task(cfg, mesh)
+    ckpt_cfg = cfg.checkpoint
+    if ckpt_cfg.dir is None and tc.run_dir:
+        ckpt_cfg = dataclasses.replace(ckpt_cfg, dir=str(Path(tc.run_dir) / "checkpoints"))
+    schedule = optim.learning_rate_schedule(cfg.optimizer, tc.steps)
+    tx = optim.make_optimizer(cfg.optimizer, tc.steps)
+    first = task.batch(0)
+    _check_batch(first, mesh, cfg.rules)
     if tc.run_dir and is_main:
-        Path(tc.run_dir).mkdir(parents=True, exist_ok=True)
-        import yaml
-        (Path(tc.run_dir) / "config.yaml").write_text(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
-    writer = metrics_lib.MetricWriter(tc.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard)
+        _write_run_files(cfg, task, extra_config)
 
-    graphdef, state, shardings = step_lib.init_train_state(r.model_cfg, r.tx, r.mesh, seed=tc.seed,
+    graphdef, state, shardings = step_lib.init_train_state(model_cfg, tx, mesh, seed=tc.seed, params=init_params,
                                                            remat_policy=tc.remat_policy, rules=cfg.rules)
-    train_iter = iter(r.dataset("train", shuffle=True))
-    checkpointer = ckpt_lib.Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
+    checkpointer = ckpt_lib.Checkpointer(ckpt_cfg) if ckpt_cfg.dir else None
+    start = 0
     if checkpointer is not None:
-        restored = checkpointer.restore_latest(ckpt_lib.abstract_with_shardings(state, shardings), train_iter)
+        restored = checkpointer.restore_latest(ckpt_lib.abstract_with_shardings(state, shardings), task.data_iter)
         if restored is not None:
-            log.info("resumed from checkpoint step %d in %s", restored[0], cfg.checkpoint.dir)
+            log.info("resumed from checkpoint step %d in %s", restored[0], ckpt_cfg.dir)
             state = restored[1]
+            start = int(jax.device_get(state.step))
+    writer = metrics_lib.MetricWriter(tc.run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
+                                      from_step=start)
 
-    train_step = step_lib.make_train_step(graphdef, r.tx, r.loss_fn, shardings, r.mesh,
+    train_step = step_lib.make_train_step(graphdef, tx, task.loss_fn, shardings, mesh,
                                           accum_steps=tc.grad_accum_steps, seed=tc.seed, rules=cfg.rules,
-                                          learning_rate_fn=r.schedule)
-    eval_step = step_lib.make_eval_step(graphdef, r.loss_fn, shardings, r.mesh, cfg.rules)
-    start = int(jax.device_get(state.step))
-    batch = r.to_global(next(train_iter))
+                                          learning_rate_fn=schedule)
+
+    def device_batch(step):
+        host = first if step == 0 and start == 0 else task.batch(step)
+        return to_global(host, mesh, task.global_batch_size, cfg.rules)
+
+    t0 = time.perf_counter()
+    batch = device_batch(start)
     compiled = train_step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     if mem is not None and is_main:
         log.info("train step memory per device: %s", _memory_summary(mem))
+    flops_per_token = metrics_lib.train_flops_per_token(model_cfg, _seq_len(batch))
+    peak = metrics_lib.peak_flops_per_device(mesh.devices.flat[0], cfg.logging.peak_flops_per_device)
+    tokens_per_step = _tokens(batch)
 
-    history: list[tuple[int, dict]] = []
-    if tc.eval_every and start == 0 and cfg.data.eval_batches:
-        history.append((0, _evaluate(r, eval_step, state.params)))
-        writer.write(0, history[-1][1], prefix="eval/")
-    tokens_per_step = tc.global_batch_size * cfg.data.seq_len
-    bar = tqdm(total=tc.steps, initial=start, disable=not (is_main and cfg.logging.progress_bar), dynamic_ncols=True)
-    last_t, last_step, train_loss = time.perf_counter(), start, math.nan
+    evals: list[tuple[int, dict]] = []
+
+    def evaluate(step):
+        if task.evaluate is None:
+            return
+        m = task.evaluate(graphdef, state.params)
+        if m:
+            evals.append((step, m))
+            writer.write(step, m, prefix="eval/")
+
+    if tc.eval_every and start == 0:
+        evaluate(0)
+    bar = tqdm(total=tc.steps, initial=start, desc=task.name, unit="step", dynamic_ncols=True,
+               disable=not (is_main and cfg.logging.progress_bar))
+    t_start = last_t = time.perf_counter()
+    last_step = start
     for step in range(start + 1, tc.steps + 1):
         state, metrics = compiled(state, batch)
         if checkpointer is not None:
-            checkpointer.save(step, state, train_iter, force=step == tc.steps)
+            checkpointer.save(step, state, task.data_iter, force=step == tc.steps)
         if step < tc.steps:
-            batch = r.to_global(next(train_iter))  # overlaps the running step
+            batch = device_batch(step)  # host work overlaps the running step
         if step % tc.log_every == 0 or step == tc.steps:
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             now = time.perf_counter()
             step_time = (now - last_t) / (step - last_step)
-            tok_s = tokens_per_step / step_time
-            metrics.update(step_time_s=step_time, tokens_per_s=tok_s,
-                           mfu=metrics_lib.mfu(tok_s, r.flops_per_token, r.mesh.size, r.peak),
-                           flops_per_token=r.flops_per_token)
+            metrics.update(step_time_s=step_time, elapsed_s=now - t_start)
+            if tokens_per_step:
+                tok_s = tokens_per_step / step_time
+                metrics.update(tokens_per_s=tok_s, flops_per_token=flops_per_token,
+                               mfu=metrics_lib.mfu(tok_s, flops_per_token, mesh.size, peak))
             writer.write(step, metrics, prefix="train/")
-            train_loss = metrics["loss"]
-            bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}", step_s=f"{step_time:.3f}")
+            bar.set_postfix({"loss": f"{metrics['loss']:.4f}",
+                             **{k: f"{metrics[k]:.3f}" for k in task.progress_keys if k in metrics}})
             last_t, last_step = now, step
+            if is_main:
+                for hook in hooks:
+                    hook(StepInfo(step, metrics, state))
         bar.update(1)
-        if (tc.eval_every and step % tc.eval_every == 0) or (step == tc.steps and cfg.data.eval_batches):
-            history.append((step, _evaluate(r, eval_step, state.params)))
-            writer.write(step, history[-1][1], prefix="eval/")
+        if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+            evaluate(step)
     bar.close()
+    jax.block_until_ready(state)
+    train_s = time.perf_counter() - t_start
     if checkpointer is not None:
         checkpointer.close()
     writer.close()
-    return {"step": int(jax.device_get(state.step)), "train_loss": train_loss, "eval": history, "state": state,
-            "graphdef": graphdef}
+    history = writer.history("train/")
+    return TrainResult(graphdef, state, history, evals, train_s, compile_s)
+
+
+def _seq_len(batch: dict) -> int:
+    tokens = batch.get("tokens")
+    return int(tokens.shape[1]) if tokens is not None and tokens.ndim == 2 else 0
+
+
+def _tokens(batch: dict) -> int:
+    """Tokens per step for throughput: non-padding tokens of the main ``tokens`` array, or 0 (unknown)."""
+    tokens = batch.get("tokens")
+    return int(np.prod(tokens.shape)) if tokens is not None else 0
 
 
 def _memory_summary(mem) -> str:

@@ -1,0 +1,125 @@
+"""Shared RAG evaluation: answer scores, retrieval recall through a ScaNN index, batched greedy answers
+under full or Block-Attention, and the TTFT curve (full prefill vs cached passage blocks).
+
+Used by ``rag-jax demo`` and the evaluation scripts (``rag-jax eval rag_qa``, ``retrieval_recall``, ...);
+metric definitions are in ``rag_jax.metrics``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from rag_jax.data.phantom_rag import EOS, answer_text, question_block
+from rag_jax.evaluation.timing import median_ms
+from rag_jax.retrieval.scann_index import ScannConfig
+
+
+def score_answer(prediction: str, golds: Sequence[str], *, golds_are_set: bool = True) -> dict[str, float]:
+    """EM / F1 / best-subspan EM (SQuAD-normalized, ``rag_jax.metrics``) and PhantomWiki set EM / set-F1.
+
+    ``golds_are_set``: PhantomWiki answer sets (SQuAD metrics against the comma-joined set; set metrics
+    against the set) or alternatives as in NQ (every metric = the best over the alternatives).
+    """
+    from rag_jax import metrics
+    if golds_are_set:
+        joined = answer_text(golds)
+        s = metrics.phantom_set_metrics(prediction, list(golds))
+        return {"em": metrics.exact_match(prediction, joined), "f1": metrics.f1_score(prediction, joined),
+                "subspan_em": metrics.best_subspan_em(prediction, joined), "set_em": s["em"], "set_f1": s["f1"]}
+    sets = [metrics.phantom_set_metrics(prediction, [g]) for g in golds]
+    return {"em": metrics.exact_match(prediction, golds), "f1": metrics.f1_score(prediction, golds),
+            "subspan_em": metrics.best_subspan_em(prediction, golds),
+            "set_em": max(s["em"] for s in sets), "set_f1": max(s["f1"] for s in sets)}
+
+
+def mean_scores(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} if rows else {}
+
+
+
+def retrieval_eval(name: str, embed_docs, embed_queries, docs: Sequence[str], queries: Sequence[str],
+                   gold: Sequence[Sequence[int]], hops: Sequence[int], ks: Sequence[int], scann: ScannConfig,
+                   depth: int) -> tuple[np.ndarray, dict]:
+    """Embed ``docs`` into a ScaNN index, search every query, score against its gold doc indices.
+
+    Args:
+      embed_docs / embed_queries: ``texts -> float32 [n, dim]`` unit-norm (the Embedder protocol).
+      gold: per query, the indices of its relevant docs; hops: per query, for the per-hop breakdown.
+      depth: results kept per query (>= max(ks)).
+
+    Returns:
+      ``(ranked doc indices int64 [q, depth'] (-1 = none), {"recall@k", "hit@k", "by_hops": {hops: {...}},
+      "seconds", "num_docs", "retriever", "index"})``.
+    """
+    from rag_jax import metrics
+    from rag_jax.retrieval.scann_index import ScannIndex
+
+    t0 = time.perf_counter()
+    vectors = embed_docs(list(docs))
+    index = ScannIndex(vectors.shape[1], scann)
+    index.add(vectors, np.arange(len(docs)))
+    index.build()
+    _, ranked = index.search(embed_queries(list(queries)), max(depth, *ks))
+
+    def scores(sel):
+        r, g = [ranked[i] for i in sel], [gold[i] for i in sel]
+        out = {}
+        for k in ks:
+            out[f"recall@{k}"] = metrics.recall_at_k(r, g, k)
+            out[f"hit@{k}"] = metrics.hit_at_k(r, g, k)
+        out["num_questions"] = len(sel)
+        return out
+
+    result = scores(range(len(queries)))
+    result["by_hops"] = {h: scores([i for i, x in enumerate(hops) if x == h]) for h in sorted(set(hops))}
+    result.update(seconds=time.perf_counter() - t0, num_docs=len(docs), retriever=name, index=dict(index.params))
+    return ranked, result
+
+
+def generate_answers(block_attention, tokenizer, prompts: Sequence[Sequence[Sequence[int]]], *, mode: str,
+                     max_new_tokens: int, batch_size: int) -> list[str]:
+    """Greedy answers (text up to ``<eos>``) for block prompts via ``BlockAttention.generate``."""
+    eos = tokenizer.token_to_id(EOS)
+    rows = []
+    for i in range(0, len(prompts), batch_size):
+        out = block_attention.generate(prompts[i:i + batch_size], max_new_tokens=max_new_tokens, mode=mode,
+                                       eos_id=eos)
+        rows.extend(np.asarray(out).tolist())
+    return [tokenizer.decode(r[:r.index(eos)] if eos in r else r, skip_special_tokens=True).strip() for r in rows]
+
+
+
+def ttft_curve(block_attention, tokenizer, passages: Sequence[str], question: str, sizes: Sequence[int],
+               repeats: int, progress: bool = False) -> list[dict]:
+    """TTFT (ms, median) of one prompt with ``n`` passages for each ``n`` in ``sizes``: a full causal
+    prefill vs Block-Attention prefill of the question block over warm passage caches (both up to the
+    first token's logits). Sizes whose prompt exceeds ``max_seq_len`` (or the passages given) are skipped."""
+    import jax
+    from tqdm.auto import tqdm
+
+    from rag_jax.data.block_rag import encode
+
+    last = encode(tokenizer, question_block(question))
+    rows = []
+    for n in tqdm(sizes, desc="TTFT full vs cached", unit="size", disable=not progress):
+        if n > len(passages):
+            continue
+        blocks = [encode(tokenizer, p) for p in passages[:n]] + [last]
+        total = sum(len(b) for b in blocks)
+        if total + 1 > block_attention.config.max_seq_len:
+            continue
+        full = median_ms(lambda: jax.block_until_ready(block_attention.prefill(blocks, mode="full").logits), repeats)
+        cached = median_ms(lambda: jax.block_until_ready(block_attention.prefill(blocks, mode="block").logits),
+                            repeats)
+        rows.append({"passages": n, "prompt_tokens": total, "prefilled_tokens_cached": len(last),
+                     "full_ms": full, "cached_ms": cached, "speedup": full / cached})
+    return rows
+
+
+
+def with_gold(ranked: Sequence[int], gold: Sequence[int], k: int) -> list[int]:
+    """The top-k retrieved passage indices with the gold ones forced in (replacing the lowest-ranked others)."""
+    gold = [int(g) for g in gold[:k]]
+    return [int(i) for i in ranked if i >= 0 and i not in gold][:k - len(gold)] + gold

@@ -1,0 +1,13 @@
+"""One table printer for every report, evaluation and benchmark (``tabulate``, GitHub-markdown layout so
+tables paste into notes and issues as they are)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tabulate import tabulate
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, floatfmt: str = ".3f") -> str:
+    """``rows`` under ``headers`` as a markdown table; floats with ``floatfmt`` (default 3 decimals)."""
+    return tabulate([list(r) for r in rows], headers=list(headers), tablefmt="github", floatfmt=floatfmt)
