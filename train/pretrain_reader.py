@@ -10,7 +10,7 @@ demo trains on seed 0 and evaluates on seed 1), and ships it as an HF-format fol
 Recipe (measured on 2 CPU cores; the numbers it reached are written to ``reader.json``):
 - data: ``--universes`` PhantomWiki-style universes (``rag_jax.data.phantom``) of ``--people`` people; every
   1-hop attribute question ("What is the hobby of X?") with its section passage, in the demo's prompt layout
-  (``rag_jax.demo.rag_example``: passages, then ``Question: ...\\nAnswer:``, response ``" answer<eos>"``);
+  (``rag_jax.data.phantom_rag.rag_example``: passages, then ``Question: ...\\nAnswer:``, response ``" answer<eos>"``);
 - rows: the gold passage plus 0..k-1 distractors (the person's other sections, other people's passages of the
   same section, random passages), shuffled; the first half of training uses the gold passage alone (learning
   to find the attribute's line comes before learning to find the person). Up to ``--turns - 1`` earlier
@@ -71,12 +71,12 @@ class Universe:
     """One universe's section passages and 1-hop attribute questions, indexed for row building."""
 
     def __init__(self, seed: int, people: int):
-        from rag_jax import demo
+        from rag_jax.data import phantom_rag
         from rag_jax.data.phantom import generate_universe
         u = generate_universe(people, seed, max_hops=1, num_questions=10 * people)
         self.articles = u.articles
-        self.passages = demo.article_passages(u.articles)
-        self.questions = demo.select_questions(u.questions, self.passages, "attribute", 1, 1)
+        self.passages = phantom_rag.article_passages(u.articles)
+        self.questions = phantom_rag.select_questions(u.questions, self.passages, "attribute", 1, 1)
         self.by_passage: dict[int, list[dict]] = {}
         for q in self.questions:
             self.by_passage.setdefault(q["gold"][0], []).append(q)
@@ -105,7 +105,7 @@ class Universe:
 
 def encode_row(tok, u: Universe, q: dict, chosen, earlier, cache: dict):
     """Token blocks + response and the answer spans of the earlier turns (offsets in the last block)."""
-    from rag_jax import demo
+    from rag_jax.data import phantom_rag as pr
     from rag_jax.data.block_rag import BlockExample, encode
 
     def enc(text):
@@ -113,16 +113,15 @@ def encode_row(tok, u: Universe, q: dict, chosen, earlier, cache: dict):
             cache[text] = tuple(encode(tok, text))
         return cache[text]
 
-    last, spans = demo.turns_block([(enc(demo.question_block(o["question"])), enc(" " + demo.answer_text(o["answer"])
-                                                                                   + demo.EOS)) for o in earlier],
-                                   enc("\n"), enc(demo.question_block(q["question"])))
+    last, spans = pr.turns_block([(enc(pr.question_block(o["question"])), enc(" " + pr.answer_text(o["answer"]) + pr.EOS))
+                                  for o in earlier], enc("\n"), enc(pr.question_block(q["question"])))
     blocks = tuple(enc(u.passages[i]["text"]) for i in chosen) + (last,)
-    return BlockExample(blocks, enc(" " + demo.answer_text(q["answer"]) + demo.EOS)), spans
+    return BlockExample(blocks, enc(" " + pr.answer_text(q["answer"]) + pr.EOS)), spans
 
 
 def make_batch(tok, universes, step: int, args, cache: dict) -> dict[str, np.ndarray]:
     """The rows of ``step`` (a function of the step and seed only, so a resumed run sees the same data)."""
-    from rag_jax import demo
+    from rag_jax.data.phantom_rag import weighted_rag_batch
     rng = random.Random(args.seed * 1_000_003 + step)
     max_k = 1 if step < args.steps // 2 else args.max_passages
     rows = []
@@ -132,16 +131,16 @@ def make_batch(tok, universes, step: int, args, cache: dict) -> dict[str, np.nda
         ex, spans = encode_row(tok, u, q, *u.row(q, rng.randint(1, max_k), args.turns, rng), cache)
         if ex.num_tokens <= args.seq_len:
             rows.append((ex, spans))
-    return demo.weighted_rag_batch(rows, args.seq_len, answer_weight=args.answer_weight,
+    return weighted_rag_batch(rows, args.seq_len, answer_weight=args.answer_weight,
                                    passage_weight=args.passage_weight)
 
 
 def heldout_em(model, tok, u: Universe, n: int = 100) -> dict[str, float]:
     """Set exact match of greedy answers on ``n`` held-out questions: gold passage alone (``gold``) and gold plus
     one of the person's other sections / one other person's passage of the same section (block inference)."""
-    from rag_jax import demo
+    from rag_jax.evaluation.rag import generate_answers, score_answer
     from rag_jax.inference.block_attention import BlockAttention
-    ba, eos, out = BlockAttention(model), tok.token_to_id(demo.EOS), {}
+    ba, out = BlockAttention(model), {}
     qs = u.questions[:n]
     for name, pick in (("gold", lambda g: [g]),
                        ("gold+same_person", lambda g: [g, next(i for i in u.by_title[u.passages[g]["title"]]
@@ -149,8 +148,8 @@ def heldout_em(model, tok, u: Universe, n: int = 100) -> dict[str, float]:
                        ("gold+same_section", lambda g: [next(i for i in u.by_section[u.passages[g]["section"]]
                                                             if u.passages[i]["title"] != u.passages[g]["title"]), g])):
         prompts = [list(encode_row(tok, u, q, pick(q["gold"][0]), [], {})[0].blocks) for q in qs]
-        preds = demo.generate_answers(ba, tok, prompts, mode="block", max_new_tokens=12, batch_size=128)
-        out[name] = float(np.mean([demo.score_answer(p, q["answer"])["set_em"] for p, q in zip(preds, qs)]))
+        preds = generate_answers(ba, tok, prompts, mode="block", max_new_tokens=12, batch_size=128)
+        out[name] = float(np.mean([score_answer(p, q["answer"])["set_em"] for p, q in zip(preds, qs)]))
     return out
 
 
@@ -171,16 +170,14 @@ def export(out: Path, model, tok, info: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
-    import jax.numpy as jnp
     from flax import nnx
-    from tqdm.auto import tqdm
 
-    from rag_jax import demo, sharding
+    from rag_jax import sharding
+    from rag_jax.data.phantom_rag import BOS, EOS, PAD
     from rag_jax.data.tokenizer import train_bpe
     from rag_jax.model import ModelConfig
-    from rag_jax.train import optim
-    from rag_jax.train import step as step_lib
-    from rag_jax.train.checkpoint import CheckpointConfig, Checkpointer, abstract_with_shardings
+    from rag_jax.train import optim, trainer
+    from rag_jax.train.checkpoint import CheckpointConfig
     from rag_jax.train.objectives.block import BlockLoss
 
     out = Path(args.out)
@@ -188,41 +185,33 @@ def main(argv=None) -> int:
     universes = [Universe(100 + i, args.people) for i in range(args.universes)]
     heldout = Universe(HELDOUT_SEED, 100)
     tok = train_bpe((t for u in universes for t in [a["article"] for a in u.articles] + [q["question"] for q in u.questions]),
-                    args.vocab, special_tokens=(demo.PAD, demo.BOS, demo.EOS, "<unk>"))
+                    args.vocab, special_tokens=(PAD, BOS, EOS, "<unk>"))
     print(f"{sum(len(u.questions) for u in universes)} training questions in {args.universes} universes, "
           f"{len(heldout.questions)} held-out; data + tokenizer {time.time() - t0:.0f} s", flush=True)
-    cfg = ModelConfig(vocab_size=-(-tok.get_vocab_size() // 64) * 64, hidden_size=args.hidden,
-                      intermediate_size=3 * args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2,
-                      max_seq_len=1024)
-    ocfg = optim.OptimizerConfig(learning_rate=args.lr, warmup_steps=20, weight_decay=0.0, min_lr_ratio=0.1)
-    tx = optim.make_optimizer(ocfg, args.steps)
-    mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
-    graphdef, state, shardings = step_lib.init_train_state(cfg, tx, mesh, seed=args.seed)
-    ckpt = Checkpointer(CheckpointConfig(dir=str(out.with_name(out.name + ".ckpt").resolve()),
-                                         save_every=args.eval_every, keep=1, async_save=False))
-    restored = ckpt.restore_latest(abstract_with_shardings(state, shardings))
-    if restored is not None:
-        state = restored[1]
-        print(f"resumed at step {restored[0]}", flush=True)
-    train_step = step_lib.make_train_step(graphdef, tx, BlockLoss(block_weight=0.0), shardings, mesh, seed=args.seed)
+    cfg = trainer.RunConfig(
+        model=ModelConfig(vocab_size=-(-tok.get_vocab_size() // 64) * 64, hidden_size=args.hidden,
+                          intermediate_size=3 * args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2,
+                          max_seq_len=1024),
+        optimizer=optim.OptimizerConfig(learning_rate=args.lr, warmup_steps=20, weight_decay=0.0, min_lr_ratio=0.1),
+        train=trainer.TrainConfig(steps=args.steps, seed=args.seed, log_every=args.eval_every,
+                                  eval_every=args.eval_every),
+        checkpoint=CheckpointConfig(dir=str(out.with_name(out.name + ".ckpt").resolve()), save_every=args.eval_every,
+                                    keep=1, async_save=False),
+        logging=trainer.LoggingConfig(jsonl=False, tensorboard=False))
     cache: dict = {}
-    history = []
-    start = int(jax.device_get(state.step))
-    with tqdm(total=args.steps, initial=start, desc="reader pretraining", unit="step", dynamic_ncols=True) as bar:
-        for step in range(start, args.steps):
-            batch = {k: jnp.asarray(v) for k, v in make_batch(tok, universes, step, args, cache).items()}
-            state, m = train_step(state, batch)
-            bar.update(1)
-            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                em = heldout_em((graphdef, state.params), tok, heldout)
-                history.append({"step": step + 1, "loss": float(jax.device_get(m["loss"])), **em,
-                                "elapsed_s": round(time.time() - t0, 1)})
-                bar.write(json.dumps(history[-1]))
-                ckpt.save(step + 1, state, force=True)
-    ckpt.close()
+    task = trainer.Task(BlockLoss(block_weight=0.0), lambda step: make_batch(tok, universes, step, args, cache),
+                        name="reader pretraining",
+                        evaluate=lambda graphdef, params: heldout_em((graphdef, params), tok, heldout))
+    mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
+    result = trainer.run(cfg, task, mesh=mesh, hooks=[lambda info: print(json.dumps(
+        {"step": info.step, "loss": info.metrics["loss"], "elapsed_s": round(time.time() - t0, 1)}), flush=True)])
+    if result.start_step:
+        print(f"resumed at step {result.start_step}", flush=True)
+    losses = {h["step"]: h["loss"] for h in result.history}
+    history = [{"step": step, "loss": losses.get(step), **em} for step, em in result.eval if step]
     info = {"recipe": {k: v for k, v in vars(args).items() if k != "out"}, "train_seeds": [100 + i for i in range(args.universes)],
             "heldout_seed": HELDOUT_SEED, "history": history, "seconds": round(time.time() - t0, 1)}
-    export(out, nnx.merge(graphdef, state.params), tok, info)
+    export(out, nnx.merge(result.graphdef, result.state.params), tok, info)
     print(f"wrote {out} ({time.time() - t0:.0f} s)", flush=True)
     return 0
 

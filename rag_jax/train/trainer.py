@@ -183,7 +183,8 @@ class StepInfo:
 class TrainResult:
     """``graphdef`` + ``state`` (``nnx.merge(graphdef, state.params)`` is the model), ``history`` (the
     logged ``train/`` rows of ``metrics.jsonl``, one dict per logged step incl. ``step``), ``eval``
-    (``[(step, metrics)]``), ``train_seconds`` (wall, step loop only) and ``compile_seconds``."""
+    (``[(step, metrics)]``), ``train_seconds`` (wall, step loop only), ``compile_seconds`` and ``start_step``
+    (the checkpoint step the run resumed from; 0 = a fresh start)."""
 
     graphdef: Any
     state: Any
@@ -191,6 +192,7 @@ class TrainResult:
     eval: list[tuple[int, dict]]
     train_seconds: float
     compile_seconds: float
+    start_step: int = 0
 
     @property
     def step(self) -> int:
@@ -234,7 +236,8 @@ def lm_task(cfg: RunConfig, mesh) -> Task:
         if not cfg.data.eval_batches:
             return {}
         if graphdef not in eval_steps:
-            shardings = jax.tree.map(lambda x: x.sharding, params)
+            shardings = step_lib.TrainState(step=None, params=jax.tree.map(lambda x: x.sharding, params),
+                                            opt_state=None)
             eval_steps[graphdef] = step_lib.make_eval_step(graphdef, loss_fn, shardings, mesh, cfg.rules)
         totals, weight = {}, 0.0
         it = iter(dataset("validation", False))
@@ -391,7 +394,7 @@ def run(cfg: RunConfig, task: Task | None = None, *, init_params=None, mesh=None
         checkpointer.close()
     writer.close()
     history = writer.history("train/")
-    return TrainResult(graphdef, state, history, evals, train_s, compile_s)
+    return TrainResult(graphdef, state, history, evals, train_s, compile_s, start)
 
 
 def _seq_len(batch: dict) -> int:
