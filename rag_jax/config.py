@@ -262,7 +262,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(cls, yaml_path: str | Path | None = None, overrides: list[str] = (), *, defaults=None):
+def load_config(cls, yaml_path: str | Path | None = None, overrides: list[str] = (), *, defaults=None,
+                section: str | None = None):
     """The one config loader: ``cls`` defaults <- ``defaults`` <- YAML file <- ``key=value`` overrides, validated
     into ``cls`` (a dataclass of dataclass sections).
 
@@ -270,11 +271,14 @@ def load_config(cls, yaml_path: str | Path | None = None, overrides: list[str] =
       defaults: a nested dict of defaults that differ from the dataclasses' own (e.g. the demo's small model),
         or a function of the user's merged YAML + overrides dict returning one (defaults that depend on what
         the user chose, such as a model preset).
+      section: a top-level key the YAML file may nest the settings under (e.g. ``em_llm``).
 
     Raises:
       ConfigError (a ValueError): see :func:`load_yaml`, :func:`parse_overrides` and :func:`from_dict`.
     """
     data = load_yaml(yaml_path) if yaml_path is not None else {}
+    if section is not None and isinstance(data.get(section), dict):
+        data = data[section]
     nested, keys = parse_overrides(list(overrides))
     user = _merge(data, nested)
     base = defaults(user) if callable(defaults) else (defaults or {})

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 SEGMENTATIONS = ("surprise", "uniform")
 REFINEMENTS = (None, "modularity", "conductance")
@@ -136,19 +136,14 @@ class EMLLMConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EMLLMConfig":
-        """Build from a mapping; unknown keys raise ValueError naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown EM-LLM config keys {unknown}; valid: {sorted(known)}")
-        return cls(**values)
+        """Build from a mapping (``rag_jax.config.from_dict``: typed; an unknown key raises ValueError naming
+        it and the closest valid one)."""
+        from rag_jax import config as config_lib
+        return config_lib.from_dict(cls, values, prefix="em_llm.")
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> "EMLLMConfig":
-        """Load ``path`` (a mapping, optionally under an ``em_llm:`` key) and apply ``overrides``."""
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of EM-LLM settings, got {type(data).__name__}")
-        data = data.get("em_llm", data)
-        return cls.from_dict({**data, **overrides})
+    def from_yaml(cls, path: str | Path, overrides: Sequence[str] = ()) -> "EMLLMConfig":
+        """Load ``path`` (a mapping, optionally under an ``em_llm:`` key) with ``key=value`` ``overrides``
+        (``rag_jax.config``: the one loader; duplicate keys, unknown keys and wrong types are errors)."""
+        from rag_jax import config as config_lib
+        return config_lib.load_config(cls, path, list(overrides), section="em_llm")
