@@ -26,7 +26,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
+
+from rag_jax.train.objectives.nll import next_token_nll
 
 BLOCK_BATCH_KEYS = ("tokens", "positions", "segment_ids", "is_global", "loss_mask")
 
@@ -109,10 +110,7 @@ def block_loss(model, batch: dict[str, jax.Array], rng: jax.Array | None = None,
 
 def _response_nll(logits, tokens, loss_mask):
     """(sum of next-token NLL, correct top-1 count, target count) over tokens with ``loss_mask``."""
-    logits, targets, weight = logits[:, :-1], tokens[:, 1:], loss_mask[:, 1:]
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    hits = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-    return jnp.sum(nll * weight), jnp.sum(hits * weight), jnp.sum(weight)
+    return tuple(jnp.sum(x) for x in next_token_nll(logits, tokens, loss_mask[:, 1:]))
 
 
 def _prepend_marker(marker_ids, tokens, positions, segment_ids, is_global, loss_mask):

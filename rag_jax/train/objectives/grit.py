@@ -37,6 +37,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from rag_jax.model.embedding import encode
+from rag_jax.train.objectives.nll import next_token_nll
 
 MODES = ("unified", "embedding", "generative")
 GEN_REDUCTIONS = ("mixed", "token")
@@ -193,15 +194,12 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array, 
     sub = b if sub_batch_size is None else sub_batch_size
     if b % sub:
         raise ValueError(f"gen_sub_batch_size={sub} must divide the generative batch size {b}")
-    logits, targets = logits[:, :-1].astype(jnp.float32), tokens[:, 1:]
-    weights = loss_mask[:, 1:].astype(jnp.float32)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights
-    n_tok = weights.sum()
-    accuracy = ((jnp.argmax(logits, -1) == targets) * weights).sum() / jnp.maximum(n_tok, 1.0)
+    nll, hits, n = next_token_nll(logits, tokens, loss_mask[:, 1:])
+    accuracy = hits.sum() / jnp.maximum(n.sum(), 1.0)
     if reduction == "token":
-        return ce.sum() / b, accuracy
-    group_sum = ce.reshape(b // sub, -1).sum(axis=1)
-    group_n = weights.reshape(b // sub, -1).sum(axis=1)
+        return nll.sum() / b, accuracy
+    group_sum = nll.reshape(b // sub, -1).sum(axis=1)
+    group_n = n.reshape(b // sub, -1).sum(axis=1)
     has = group_n > 0
     group_mean = jnp.where(has, group_sum / jnp.maximum(group_n, 1.0), 0.0)
     return group_mean.sum() / jnp.maximum(has.sum(), 1), accuracy

@@ -12,9 +12,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from rag_jax import sharding
+from rag_jax.train.objectives.nll import next_token_nll
 
 LM_BATCH_KEYS = ("tokens", "positions", "segment_ids")
 
@@ -46,18 +45,13 @@ def lm_loss(model, batch: dict[str, jax.Array], rng: jax.Array | None = None, *,
         raise ValueError(f"LM batch is missing {missing}; it has {sorted(batch)} and needs {list(LM_BATCH_KEYS)}")
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
     logits = model(tokens, batch["positions"], segment_ids, mode=mode).logits
-    # Without this hint GSPMD may leave the [batch, seq, vocab] logits (the largest activation)
-    # unsharded on large FSDP meshes; a no-op outside the train step's activation_rules context.
-    logits = sharding.constrain(logits, ("batch", "seq", "vocab"))[:, :-1]
-    targets = tokens[:, 1:]
     weight = ((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)).astype(jnp.float32)
     if "loss_mask" in batch:
         weight = weight * batch["loss_mask"][:, 1:].astype(jnp.float32)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    num_tokens = jnp.sum(weight)
+    nll, hits, n = next_token_nll(logits, tokens, weight)
+    num_tokens = jnp.sum(n)
     denom = jnp.maximum(num_tokens, 1.0)
-    loss = jnp.sum(nll * weight) / denom
-    accuracy = jnp.sum((jnp.argmax(logits, axis=-1) == targets) * weight) / denom
+    loss, accuracy = jnp.sum(nll) / denom, jnp.sum(hits) / denom
     return loss, {"loss": loss, "accuracy": accuracy, "num_tokens": num_tokens}
 
 
