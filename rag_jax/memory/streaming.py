@@ -82,7 +82,7 @@ def _project(layer_graphdef, n_local, layer_state, x, n_valid, inv_freq):
     """Pre-RoPE q/k/v of the chunk and the retrieval query: the mean over valid queries of q rotated to
     ``n_local - 1`` (reference ``_calc_topk_blocks``), float32 ``[num_heads * head_dim]``."""
     layer = nnx.merge(layer_graphdef, layer_state)
-    q, k, v = layer.attn.project_qkv(layer.input_norm(x))
+    q, k, v = layer.qkv(x)
     q_len = q.shape[1]
     q_ret = apply_rope(q, jnp.full((1, q_len), n_local - 1, jnp.int32), inv_freq).astype(jnp.float32)
     ok = (jnp.arange(q_len) < n_valid).astype(jnp.float32)
@@ -137,8 +137,7 @@ def _attend(layer_graphdef, n_local: int, positions: str, use_memory: bool, laye
         groups.append((q_mem, mem_k[None], mem_v[None], mem_mask[None]))
 
     out, mass = _joint_attention_and_local_mass(groups, q_ok)
-    x = x + layer.attn.output(out)
-    x = x + layer.mlp(layer.post_attn_norm(x))
+    x = layer.finish(x, out)
     return x, buf.replace(recent_k=recent_k, recent_v=recent_v, recent_score=buf.recent_score + mass)
 
 

@@ -102,21 +102,31 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.weight_dtype)
         self.mlp = MLP(cfg, rngs)
 
+    def qkv(self, x):
+        """Attention inputs of hidden states ``x [b, s, hidden]``: pre-RoPE ``q [b, s, num_heads, head_dim]``,
+        ``k``/``v [b, s, num_kv_heads, head_dim]`` of the normalized input."""
+        return self.attn.project_qkv(self.input_norm(x))
+
+    def finish(self, x, attn_out):
+        """The block after attention: ``x + o_proj(attn_out)``, then ``+ mlp(norm(.))`` (pre-norm residuals).
+        ``attn_out [b, s, num_heads, head_dim]`` -> ``[b, s, hidden]``. EM-LLM streaming calls ``qkv``, its
+        own attention over memory, then this."""
+        x = x + self.attn.output(attn_out)
+        return x + self.mlp(self.post_attn_norm(x))
+
     def __call__(self, x, positions, mask, inv_freq, cache_k=None, cache_v=None, cache_positions=None):
         """One pre-norm block. Returns (x ``[b, s, hidden]``, (k, v) pre-RoPE of the new tokens)."""
         # Keep activations batch-sharded (a no-op outside a train step's mesh): without this hint XLA keeps
         # hidden states split like the weights and replicates them per chip (8B on v5p-64 does not fit).
         x = sharding.constrain(x, ACTIVATION_AXES)
-        q, k, v = self.attn.project_qkv(self.input_norm(x))
+        q, k, v = self.qkv(x)
         k_all, v_all, k_pos = k, v, positions
         if cache_k is not None:
             k_all = jnp.concatenate([cache_k.astype(k.dtype), k], axis=1)
             v_all = jnp.concatenate([cache_v.astype(v.dtype), v], axis=1)
             k_pos = jnp.concatenate([cache_positions, positions], axis=1)
         out = attend(apply_rope(q, positions, inv_freq), apply_rope(k_all, k_pos, inv_freq), v_all, mask)
-        x = x + self.attn.output(out)
-        x = x + self.mlp(self.post_attn_norm(x))
-        return sharding.constrain(x, ACTIVATION_AXES), (k, v)
+        return sharding.constrain(self.finish(x, out), ACTIVATION_AXES), (k, v)
 
 
 class ModelOutput(NamedTuple):
