@@ -33,302 +33,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rag_jax import config as config_lib
-from rag_jax.data.phantom_rag import (BOS, EOS, PAD, TaskConfig, UniverseConfig, answer_text, question_block,
-                                      rag_example)
-from rag_jax.evaluation.tables import table
+from rag_jax.data.phantom_rag import BOS, EOS, PAD, answer_text, question_block, rag_example
+from rag_jax.demo.config import (DEFAULT_BASE, DEMO_MODEL, DEMO_OPTIMIZER, DemoConfig, TokenizerConfig,
+                                 load_demo_config, resolve_base)
+from rag_jax.demo.report import format_report, plots
 from rag_jax.model.config import ModelConfig
-from rag_jax.retrieval.scann_index import ScannConfig
-from rag_jax.sharding import MeshConfig
-from rag_jax.train.optim import OptimizerConfig
 
-__all__ = ["DemoConfig", "load_demo_config", "run", "main"]
+__all__ = ["DemoConfig", "load_demo_config", "resolve_base", "run", "main", "DEFAULT_BASE", "DEMO_MODEL",
+           "DEMO_OPTIMIZER"]
 
-DEFAULT_BASE = "demo_reader"
-ASSETS = Path(__file__).resolve().parent / "assets"
-RETRIEVERS = ("grit", "minilm")
-
-# Defaults of the sections whose dataclass defaults are not the demo's (a YAML/override that sets one
-# field of these sections keeps the other demo defaults; ``model.preset`` replaces the model defaults).
-DEMO_MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
-                  max_seq_len=1024)
-DEMO_OPTIMIZER = dict(learning_rate=3e-3, warmup_steps=20, weight_decay=0.0, min_lr_ratio=0.1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Configuration.
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizerConfig:
-    """Attributes: vocab_size: BPE vocabulary (>= 260); the model's ``vocab_size`` is set from it."""
-
-    vocab_size: int = 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoTrainConfig:
-    """Joint GRIT + Block-Attention training.
-
-    Attributes:
-      steps: optimizer steps.
-      rag_batch_size: RAG prompts per step (Block-Attention loss, both modes).
-      embedding_batch_size: GRIT queries per step (in-batch negatives + hard negatives).
-      group_size: GRIT passages per query (1 positive + group_size - 1 hard negatives).
-      seq_len: padded RAG row length in tokens; 0 = from the data (k passages of 90th-percentile length).
-      query_max_len / passage_max_len: GRIT token limits incl. the format prefix; 0 = from the data
-        (the longest training query; the 90th-percentile passage).
-      lm_weight: next-token loss weight of passage tokens (answer tokens weigh 1, question tokens 0).
-      max_turns: questions per RAG row (1 = only the inference layout; see ``_TrainingData``).
-      full_weight / block_weight: Block-Attention loss weights of the full and block passes.
-      gen_weight: λ_Gen of GRIT Eq. 3 (weight of the Block-Attention loss against L_Rep).
-      grit_temperature: InfoNCE temperature (GritLM: 0.02; 0.05 trains more stably from scratch).
-      grit_instruction: query instruction in GRIT embedding mode (documents get none).
-      precision: ``fp32`` | ``bf16`` | ``bf16_pure`` (``rag_jax.train.step.apply_precision``).
-      seed: init, data order and distractor sampling.
-      devices: devices of the training mesh; 0 = 1 on CPU (fake CPU devices do not add compute),
-        all devices on GPU/TPU.
-      log_every: steps between loss-curve points.
-    """
-
-    steps: int = 200
-    rag_batch_size: int = 8
-    embedding_batch_size: int = 8
-    group_size: int = 2
-    seq_len: int = 0
-    query_max_len: int = 0
-    passage_max_len: int = 0
-    lm_weight: float = 0.2
-    max_turns: int = 6
-    full_weight: float = 1.0
-    block_weight: float = 1.0
-    gen_weight: float = 1.0
-    grit_temperature: float = 0.05
-    grit_instruction: str = "Find the article that answers the question"
-    precision: str = "fp32"
-    seed: int = 0
-    devices: int = 0
-    log_every: int = 1
-
-    def __post_init__(self):
-        for name in ("steps", "rag_batch_size", "embedding_batch_size", "group_size", "log_every", "max_turns"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
-        for name in ("seq_len", "query_max_len", "passage_max_len", "devices"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0 (0 = automatic)")
-        for name in ("lm_weight", "full_weight", "block_weight", "gen_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0")
-
-
-@dataclasses.dataclass(frozen=True)
-class RetrievalConfig:
-    """Attributes:
-      retriever: the index that feeds the answering prompts: ``grit`` (the trained model) or ``minilm``.
-      ks: cut-offs of the reported recall@k / hit@k.
-      scann: ScaNN index parameters (``auto`` picks brute force below 20K passages).
-    """
-
-    retriever: str = "minilm"
-    ks: tuple[int, ...] = (1, 2, 5, 10)
-    scann: ScannConfig = dataclasses.field(default_factory=ScannConfig)
-
-    def __post_init__(self):
-        if self.retriever not in RETRIEVERS:
-            raise ValueError(f"retrieval.retriever={self.retriever!r}; valid: {RETRIEVERS}")
-        if not self.ks or min(self.ks) < 1:
-            raise ValueError(f"retrieval.ks={self.ks!r} must be a non-empty list of ints >= 1")
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    """Attributes:
-      max_questions: held-out questions answered (the first ones of the held-out set).
-      max_new_tokens: cap on generated answer tokens (the longest training answer + 2 is used below it).
-      batch_size: prompts per generation call.
-      ttft_passages: passages per prompt for the TTFT curve (sizes that exceed max_seq_len are skipped).
-      ttft_repeats: timed runs per point (median reported, after one warm-up run).
-    """
-
-    max_questions: int = 100
-    max_new_tokens: int = 32
-    batch_size: int = 128
-    ttft_passages: tuple[int, ...] = (1, 2, 4, 6)
-    ttft_repeats: int = 5
-
-    def __post_init__(self):
-        for name in ("max_questions", "max_new_tokens", "batch_size", "ttft_repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 1")
-        if any(n < 1 for n in self.ttft_passages):
-            raise ValueError(f"eval.ttft_passages={self.ttft_passages!r} must be ints >= 1 (may be empty)")
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoConfig:
-    """The whole demo (sections above; ``model`` is a ``ModelConfig`` whose ``vocab_size`` is replaced
-    by the trained tokenizer's, ``optimizer`` an ``OptimizerConfig``, ``mesh`` a ``MeshConfig``).
-
-    ``base``: the model to fine-tune (module docstring, stage 2): the name of a packaged base
-    (``demo_reader``, in ``rag_jax/assets/``), or a path to an HF-format folder (``config.json``,
-    ``*.safetensors``, ``tokenizer.json``); ``None`` (``base: null``) trains the tokenizer and a random
-    ``model`` from scratch. With a base, the ``model`` and ``tokenizer`` sections must not be set (the base
-    fixes both)."""
-
-    base: str | None = DEFAULT_BASE
-
-    universe: UniverseConfig = dataclasses.field(default_factory=UniverseConfig)
-    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
-    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
-    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEMO_MODEL))
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig(**DEMO_OPTIMIZER))
-    train: DemoTrainConfig = dataclasses.field(default_factory=DemoTrainConfig)
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    retrieval: RetrievalConfig = dataclasses.field(default_factory=RetrievalConfig)
-    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
-
-
-    def __post_init__(self):
-        fixed = [name for name, default in (("model", ModelConfig(**DEMO_MODEL)), ("tokenizer", TokenizerConfig()))
-                 if getattr(self, name) != default]
-        if self.base is not None and fixed:
-            raise config_lib.ConfigError(
-                f"{' and '.join(fixed)} section(s) set while base={self.base!r}: the base model fixes the "
-                "architecture and tokenizer; remove them, or set base=null to train a tokenizer and model from scratch")
-
-
-def _demo_defaults(user: dict) -> dict:
-    model = user.get("model")
-    preset = isinstance(model, dict) and "preset" in model
-    return {"optimizer": dict(DEMO_OPTIMIZER), **({} if preset else {"model": dict(DEMO_MODEL)})}
-
-
-def load_demo_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> DemoConfig:
-    """Demo defaults <- YAML file <- ``key=value`` overrides (``rag_jax.config.load_config``).
-
-    Raises:
-      rag_jax.config.ConfigError (a ValueError): missing/invalid YAML, unknown key (with the closest
-        valid one), wrong type, key set twice, a section's own validation error, or ``model`` /
-        ``tokenizer`` set while a ``base`` fixes them.
-    """
-    return config_lib.load_config(DemoConfig, path, list(overrides), defaults=_demo_defaults)
-
-
-def resolve_base(base: str) -> Path:
-    """The folder of ``DemoConfig.base``: a packaged base name (``rag_jax/assets/<name>``) or a path.
-
-    Raises:
-      FileNotFoundError: no such folder, or it lacks ``config.json``, a ``*.safetensors`` file or
-        ``tokenizer.json``.
-    """
-    path = ASSETS / base if (ASSETS / base).is_dir() and "/" not in base else Path(base)
-    packaged = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
-    if not path.is_dir():
-        raise FileNotFoundError(f"base={base!r}: no such folder; use a packaged base {packaged}, an HF-format "
-                                "folder with tokenizer.json, or base=null (train from scratch)")
-    missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).is_file()]
-    if not any(path.glob("*.safetensors")):
-        missing.append("*.safetensors")
-    if missing:
-        raise FileNotFoundError(f"base={base!r} ({path}) lacks {missing}; an HF-format folder with "
-                                "tokenizer.json is needed")
-    return path
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Report.
-
-def _plots(history: list[dict], ttft: list[dict], out: Path) -> dict[str, str]:
-    from matplotlib.figure import Figure  # no pyplot: no global backend state (works in notebooks too)
-
-    files = {}
-    fig = Figure(figsize=(7, 4))
-    ax = fig.add_subplot()
-    steps = [h["step"] for h in history]
-    for key, label in (("loss", "total (L_Rep + λ·L_Gen)"), ("loss_rep", "GRIT L_Rep (contrastive)"),
-                       ("loss_full", "Block-Attention loss, full pass"), ("loss_block", "Block-Attention loss, block pass")):
-        ax.plot(steps, [h[key] for h in history], label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats)")
-    ax.set_title("rag-jax demo: training loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
-    files["loss_plot"] = str(out / "loss.png")
-    if ttft:
-        fig = Figure(figsize=(6, 4))
-        ax = fig.add_subplot()
-        x = [r["prompt_tokens"] for r in ttft]
-        ax.plot(x, [r["full_ms"] for r in ttft], "o-", label="full prefill")
-        ax.plot(x, [r["cached_ms"] for r in ttft], "o-", label="Block-Attention, cached passages")
-        ax.set_xlabel("prompt length (tokens)")
-        ax.set_ylabel("time to first token (ms, median)")
-        ax.set_title("TTFT vs prompt length")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "ttft.png", dpi=110)
-        files["ttft_plot"] = str(out / "ttft.png")
-    return files
-
-
-
-CONDITION_LABELS = {
-    "no_retrieval": "no retrieval (question only)",
-    "retrieval_full": "retrieved top-{k}, full attention",
-    "retrieval_block": "retrieved top-{k}, Block-Attention (KV reuse)",
-    "oracle_block": "gold passage(s) in top-{k}, Block-Attention",
-}
-
-
-def format_report(report: dict) -> str:
-    """The human-readable report printed at the end of a run."""
-    d, tr, qa = report["data"], report["train"], report["qa"]
-    k = qa["num_passages"]
-    ks = report["config"]["retrieval"]["ks"]
-    lines = ["", "=" * 78, "rag-jax demo report", "=" * 78,
-             f"data: {d['source']}",
-             f"task: {d['question_kind']} questions; {d['train_questions']} train / {d['eval_questions']} held-out; "
-             f"articles cut into section passages: {d['train_passages']} train / {d['eval_passages']} held-out",
-             f"model: {report['model']['num_layers']} layers, hidden {report['model']['hidden_size']}, "
-             f"{report['model']['params'] / 1e6:.2f}M params, vocab {report['model']['vocab_size']}; "
-             + (f"fine-tuned from base {report['model']['base']}" if report['model'].get('base') else "from scratch"),
-             f"training: {tr['steps']} steps in {tr['seconds']:.0f} s (+{tr['compile_seconds']:.0f} s compile); final "
-             f"loss {tr['final']['loss']:.3f}, GRIT in-batch top-1 {tr['final']['rep_accuracy']:.2f}, "
-             f"next-token accuracy (loss-weighted) {tr['final']['gen_accuracy']:.2f}", ""]
-    rows = [[r["retriever"], *[r[f"recall@{c}"] for c in ks], *[r[f"hit@{c}"] for c in ks]]
-            for r in report["retrieval"].values()]
-    lines += [f"retrieval of gold passages among {d['eval_passages']} held-out passages (ScaNN), "
-              f"{d['eval_questions']} questions:",
-              table(["embedder", *[f"recall@{c}" for c in ks], *[f"hit@{c}" for c in ks]], rows), ""]
-    rows = [[CONDITION_LABELS[c].format(k=k), v["set_em"], v["set_f1"], v["f1"], v["seconds"]]
-            for c, v in qa["conditions"].items()]
-    lines += [f"answers to {qa['num_questions']} held-out questions (retriever: {qa['retriever']}; greedy):",
-              table(["condition", "EM", "set-F1", "token-F1", "seconds"], rows)]
-    kv = qa.get("kv_store")
-    if kv:
-        lines.append(f"passage KV store: {kv['entries']} cached blocks ({kv['bytes'] / 2**20:.1f} MiB), "
-                     f"{kv['hits']} hits / {kv['misses']} misses")
-    if report["ttft"]:
-        rows = [[r["passages"], r["prompt_tokens"], r["full_ms"], r["cached_ms"], r["speedup"]] for r in report["ttft"]]
-        lines += ["", "time to first token (ms, median; cached = Block-Attention with warm passage KV):",
-                  table(["passages", "tokens", "full ms", "cached ms", "speedup"], rows)]
-    if qa.get("examples"):
-        lines += ["", "examples (held-out):"]
-        for ex in qa["examples"]:
-            lines.append(f"  Q: {ex['question']}  gold: {answer_text(ex['gold'])}")
-            lines.append(f"     no retrieval: {ex['no_retrieval']!r}   with retrieval (block): {ex['retrieval_block']!r}")
-    lines += ["", "files: " + ", ".join(f"{k}={v}" for k, v in report["files"].items()),
-              f"total: {report['total_seconds']:.0f} s wall, {report['cpu_seconds']:.0f} s CPU; stages (wall/CPU s): "
-              + ", ".join(f"{k} {v:.0f}/{report['cpu_timings'][k]:.0f}" for k, v in report["timings"].items()),
-              "=" * 78]
-    return "\n".join(lines)
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# The job.
 
 def check_output_dir(path: str | os.PathLike) -> Path:
     """Create ``path`` and check a file can be written there (before any compute).
@@ -489,7 +202,7 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
 
     log("[7/7] report")
     files = {"metrics": str(out / "metrics.json"), "run_folder": str(out),
-             "train_metrics": str(out / "metrics.jsonl"), **_plots(result.history, ttft, out)}
+             "train_metrics": str(out / "metrics.jsonl"), **plots(result.history, ttft, out)}
     report = {
         "config": config_lib.to_dict(resolved),
         "data": {"source": data.source, "question_kind": data.question_kind,
@@ -591,12 +304,9 @@ def run_cli(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rag_jax.demo ...`` = ``rag-jax demo ...``."""
+    """``python -m rag_jax.demo ...`` (``rag_jax/demo/__main__.py``) = ``rag-jax demo ...``."""
     import sys
 
     from rag_jax.cli import main as cli_main
     return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""The ``rag-jax demo`` report: the printed summary and the loss / TTFT plots."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rag_jax.data.phantom_rag import answer_text
+from rag_jax.evaluation.tables import table
+
+def plots(history: list[dict], ttft: list[dict], out: Path) -> dict[str, str]:
+    from matplotlib.figure import Figure  # no pyplot: no global backend state (works in notebooks too)
+
+    files = {}
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    steps = [h["step"] for h in history]
+    for key, label in (("loss", "total (L_Rep + λ·L_Gen)"), ("loss_rep", "GRIT L_Rep (contrastive)"),
+                       ("loss_full", "Block-Attention loss, full pass"), ("loss_block", "Block-Attention loss, block pass")):
+        ax.plot(steps, [h[key] for h in history], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title("rag-jax demo: training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    files["loss_plot"] = str(out / "loss.png")
+    if ttft:
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        x = [r["prompt_tokens"] for r in ttft]
+        ax.plot(x, [r["full_ms"] for r in ttft], "o-", label="full prefill")
+        ax.plot(x, [r["cached_ms"] for r in ttft], "o-", label="Block-Attention, cached passages")
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("time to first token (ms, median)")
+        ax.set_title("TTFT vs prompt length")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "ttft.png", dpi=110)
+        files["ttft_plot"] = str(out / "ttft.png")
+    return files
+
+
+
+CONDITION_LABELS = {
+    "no_retrieval": "no retrieval (question only)",
+    "retrieval_full": "retrieved top-{k}, full attention",
+    "retrieval_block": "retrieved top-{k}, Block-Attention (KV reuse)",
+    "oracle_block": "gold passage(s) in top-{k}, Block-Attention",
+}
+
+
+def format_report(report: dict) -> str:
+    """The human-readable report printed at the end of a run."""
+    d, tr, qa = report["data"], report["train"], report["qa"]
+    k = qa["num_passages"]
+    ks = report["config"]["retrieval"]["ks"]
+    lines = ["", "=" * 78, "rag-jax demo report", "=" * 78,
+             f"data: {d['source']}",
+             f"task: {d['question_kind']} questions; {d['train_questions']} train / {d['eval_questions']} held-out; "
+             f"articles cut into section passages: {d['train_passages']} train / {d['eval_passages']} held-out",
+             f"model: {report['model']['num_layers']} layers, hidden {report['model']['hidden_size']}, "
+             f"{report['model']['params'] / 1e6:.2f}M params, vocab {report['model']['vocab_size']}; "
+             + (f"fine-tuned from base {report['model']['base']}" if report['model'].get('base') else "from scratch"),
+             f"training: {tr['steps']} steps in {tr['seconds']:.0f} s (+{tr['compile_seconds']:.0f} s compile); final "
+             f"loss {tr['final']['loss']:.3f}, GRIT in-batch top-1 {tr['final']['rep_accuracy']:.2f}, "
+             f"next-token accuracy (loss-weighted) {tr['final']['gen_accuracy']:.2f}", ""]
+    rows = [[r["retriever"], *[r[f"recall@{c}"] for c in ks], *[r[f"hit@{c}"] for c in ks]]
+            for r in report["retrieval"].values()]
+    lines += [f"retrieval of gold passages among {d['eval_passages']} held-out passages (ScaNN), "
+              f"{d['eval_questions']} questions:",
+              table(["embedder", *[f"recall@{c}" for c in ks], *[f"hit@{c}" for c in ks]], rows), ""]
+    rows = [[CONDITION_LABELS[c].format(k=k), v["set_em"], v["set_f1"], v["f1"], v["seconds"]]
+            for c, v in qa["conditions"].items()]
+    lines += [f"answers to {qa['num_questions']} held-out questions (retriever: {qa['retriever']}; greedy):",
+              table(["condition", "EM", "set-F1", "token-F1", "seconds"], rows)]
+    kv = qa.get("kv_store")
+    if kv:
+        lines.append(f"passage KV store: {kv['entries']} cached blocks ({kv['bytes'] / 2**20:.1f} MiB), "
+                     f"{kv['hits']} hits / {kv['misses']} misses")
+    if report["ttft"]:
+        rows = [[r["passages"], r["prompt_tokens"], r["full_ms"], r["cached_ms"], r["speedup"]] for r in report["ttft"]]
+        lines += ["", "time to first token (ms, median; cached = Block-Attention with warm passage KV):",
+                  table(["passages", "tokens", "full ms", "cached ms", "speedup"], rows)]
+    if qa.get("examples"):
+        lines += ["", "examples (held-out):"]
+        for ex in qa["examples"]:
+            lines.append(f"  Q: {ex['question']}  gold: {answer_text(ex['gold'])}")
+            lines.append(f"     no retrieval: {ex['no_retrieval']!r}   with retrieval (block): {ex['retrieval_block']!r}")
+    lines += ["", "files: " + ", ".join(f"{k}={v}" for k, v in report["files"].items()),
+              f"total: {report['total_seconds']:.0f} s wall, {report['cpu_seconds']:.0f} s CPU; stages (wall/CPU s): "
+              + ", ".join(f"{k} {v:.0f}/{report['cpu_timings'][k]:.0f}" for k, v in report["timings"].items()),
+              "=" * 78]
+    return "\n".join(lines)
+
+
+
