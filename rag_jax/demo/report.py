@@ -6,38 +6,41 @@ from pathlib import Path
 from rag_jax.data.phantom_rag import answer_text
 from rag_jax.evaluation.tables import table
 
-def plots(history: list[dict], ttft: list[dict], out: Path) -> dict[str, str]:
-    from matplotlib.figure import Figure  # no pyplot: no global backend state (works in notebooks too)
 
-    files = {}
-    fig = Figure(figsize=(7, 4))
+def line_plot(path: Path, series: list[tuple[list, list, str]], *, xlabel: str, ylabel: str, title: str,
+              style: str = "-", size=(7, 4)) -> str:
+    """Write a PNG of ``(x, y, label)`` lines to ``path``; returns the path (no pyplot: no global backend state,
+    works in notebooks and threads)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size)
     ax = fig.add_subplot()
-    steps = [h["step"] for h in history]
-    for key, label in (("loss", "total (L_Rep + λ·L_Gen)"), ("loss_rep", "GRIT L_Rep (contrastive)"),
-                       ("loss_full", "Block-Attention loss, full pass"), ("loss_block", "Block-Attention loss, block pass")):
-        ax.plot(steps, [h[key] for h in history], label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats)")
-    ax.set_title("rag-jax demo: training loss")
+    for x, y, label in series:
+        ax.plot(x, y, style, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
-    files["loss_plot"] = str(out / "loss.png")
-    if ttft:
-        fig = Figure(figsize=(6, 4))
-        ax = fig.add_subplot()
-        x = [r["prompt_tokens"] for r in ttft]
-        ax.plot(x, [r["full_ms"] for r in ttft], "o-", label="full prefill")
-        ax.plot(x, [r["cached_ms"] for r in ttft], "o-", label="Block-Attention, cached passages")
-        ax.set_xlabel("prompt length (tokens)")
-        ax.set_ylabel("time to first token (ms, median)")
-        ax.set_title("TTFT vs prompt length")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "ttft.png", dpi=110)
-        files["ttft_plot"] = str(out / "ttft.png")
-    return files
+    fig.savefig(path, dpi=110)
+    return str(path)
 
+
+def plots(history: list[dict], ttft: list[dict], out: Path) -> dict[str, str]:
+    """``loss.png`` (training curves) and ``ttft.png`` (full vs cached prefill) in ``out``; ``{name: path}``."""
+    steps = [h["step"] for h in history]
+    losses = (("loss", "total (L_Rep + λ·L_Gen)"), ("loss_rep", "GRIT L_Rep (contrastive)"),
+              ("loss_full", "Block-Attention loss, full pass"), ("loss_block", "Block-Attention loss, block pass"))
+    files = {"loss_plot": line_plot(out / "loss.png", [(steps, [h[k] for h in history], label) for k, label in losses],
+                                    xlabel="step", ylabel="loss (nats)", title="rag-jax demo: training loss")}
+    if ttft:
+        x = [r["prompt_tokens"] for r in ttft]
+        files["ttft_plot"] = line_plot(
+            out / "ttft.png", [(x, [r["full_ms"] for r in ttft], "full prefill"),
+                               (x, [r["cached_ms"] for r in ttft], "Block-Attention, cached passages")],
+            xlabel="prompt length (tokens)", ylabel="time to first token (ms, median)", title="TTFT vs prompt length",
+            style="o-", size=(6, 4))
+    return files
 
 
 CONDITION_LABELS = {
