@@ -23,39 +23,35 @@ Training universes and the evaluation universe differ, so answers must be read f
 The recipe (model, optimizer, data, objective, steps) is a YAML file, ``train/configs/block_*.yaml``,
 with ``key=value`` overrides (``rag_jax.config``):
 
-    python eval/block_quality.py                                  # block_phantom_cpu.yaml, a few minutes
-    python eval/block_quality.py train.steps=50 eval.questions=32  # quicker smoke run
-    python eval/block_quality.py --config train/configs/block_llama3.2_1b_h200.yaml init.hf_dir=/ckpt/llama
+    rag-jax eval block_quality                                  # block_phantom_cpu.yaml, a few minutes
+    rag-jax eval block_quality train.steps=50 eval.questions=32  # quicker smoke run
+    rag-jax eval block_quality --config train/configs/block_llama3.2_1b_h200.yaml --model /ckpt/llama
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rag_jax import config as config_lib
+from rag_jax import sharding
+from rag_jax.data import block_rag
+from rag_jax.data.phantom import generate_universe
+from rag_jax.data.tokenizer import train_bpe
+from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import StageTimer
+from rag_jax.inference.block_attention import BlockAttention
+from rag_jax.inference.kv_store import KVStore
+from rag_jax.metrics import phantom_set_metrics
+from rag_jax.model import ModelConfig
+from rag_jax.train import optim
+from rag_jax.train.objectives.block import BlockLoss
 
-from rag_jax import config as config_lib  # noqa: E402
-from rag_jax import sharding  # noqa: E402
-from rag_jax.data import block_rag  # noqa: E402
-from rag_jax.data.phantom import generate_universe  # noqa: E402
-from rag_jax.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
-from rag_jax.inference.block_attention import BlockAttention  # noqa: E402
-from rag_jax.inference.kv_store import KVStore  # noqa: E402
-from rag_jax.metrics import phantom_set_metrics  # noqa: E402
-from rag_jax.model import ModelConfig  # noqa: E402
-from rag_jax.train import optim  # noqa: E402
-from rag_jax.train import step as step_lib  # noqa: E402
-from rag_jax.train.objectives.block import BlockLoss  # noqa: E402
-
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "train" / "configs" / "block_phantom_cpu.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "block_phantom_cpu.yaml"
 SPECIAL_TOKENS = ("<pad>", "<|user|>", "<|assistant|>", "<|end_of_text|>", block_rag.BLOCK_MARKER)
 # A compact RAG template for small models (same block structure as the paper's, fewer tokens);
 # template="paper" uses the v5 strings of rag_jax.data.block_rag.
@@ -134,8 +130,9 @@ class TrainSection:
 @dataclasses.dataclass(frozen=True)
 class InitSection:
     """Attributes:
-      hf_dir: start from an HF checkpoint folder (weights + tokenizer.json; our models export with
-        ``rag_jax.model.hf.save_hf``); None = random init from ``model`` and ``train.seed``.
+      hf_dir: start from this model (``--model``): a run folder or an HF checkpoint folder, with its
+        tokenizer.json (``rag_jax.evaluation.models.load_for_eval``); None = random init from ``model`` and
+        ``train.seed``.
       base_steps: first train a shared base for this many steps with full attention only (standing in
         for the paper's SFT model, which already reads passages); both fine-tunes start from it.
     """
@@ -250,30 +247,22 @@ def make_examples(tokenizer, articles, questions, d: DataSection, rng: np.random
 
 
 def train_model(recipe: BlockRecipe, loss_fn: BlockLoss, examples, init_params, name: str):
-    """Fine-tune from ``init_params`` (or the seeded random init) with the framework's train step."""
+    """Fine-tune from ``init_params`` (or the seeded random init) with the one trainer."""
+    from rag_jax.train import trainer
+
     tc = recipe.train
-    model_cfg = step_lib.apply_precision(recipe.model, tc.precision)
-    mesh = sharding.make_mesh(recipe.mesh)
-    tx = optim.make_optimizer(recipe.optimizer, tc.steps)
-    graphdef, state, shardings = step_lib.init_train_state(model_cfg, tx, mesh, seed=tc.seed,
-                                                           remat_policy=tc.remat_policy)
-    if init_params is not None:
-        params = jax.device_put(init_params, shardings.params)
-        state = step_lib.TrainState(step=state.step, params=params,
-                                    opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
-    train_step = step_lib.make_train_step(graphdef, tx, loss_fn, shardings, mesh, seed=tc.seed,
-                                          accum_steps=tc.grad_accum_steps)
     order = np.random.default_rng(tc.seed).permutation(len(examples))
-    t0 = time.perf_counter()
-    for step in range(tc.steps):
+
+    def batch(step):
         idx = [order[(step * tc.global_batch_size + i) % len(order)] for i in range(tc.global_batch_size)]
-        batch = block_rag.collate([examples[i][0] for i in idx], recipe.data.seq_len)
-        state, metrics = train_step(state, sharding.to_global(batch, mesh, tc.global_batch_size))
-        if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
-            m = jax.device_get(metrics)
-            print(f"  [{name}] step {step + 1}/{tc.steps} loss {m['loss']:.3f} (full {m['loss_full']:.3f}, "
-                  f"block {m['loss_block']:.3f}) {time.perf_counter() - t0:.0f}s", flush=True)
-    return graphdef, jax.device_get(state.params)
+        return block_rag.collate([examples[i][0] for i in idx], recipe.data.seq_len)
+
+    run_cfg = trainer.RunConfig(model=recipe.model, mesh=recipe.mesh, optimizer=recipe.optimizer,
+                                train=trainer.TrainConfig(**dataclasses.asdict(tc)))
+    task = trainer.Task(loss_fn, batch, name=name, global_batch_size=tc.global_batch_size,
+                        progress_keys=("loss_full", "loss_block"))
+    result = trainer.run(run_cfg, task, init_params=init_params)
+    return result.graphdef, jax.device_get(result.state.params)
 
 
 def evaluate(graphdef, params, examples, tokenizer, marker_ids, recipe: BlockRecipe, mode: str) -> dict[str, float]:
@@ -298,25 +287,31 @@ def evaluate(graphdef, params, examples, tokenizer, marker_ids, recipe: BlockRec
     return {"acc": 100 * float(np.mean(ems)), "f1": 100 * float(np.mean(f1s)), "sample": sample}
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax eval block_quality", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML (train/configs/block_*.yaml)")
+    p.add_argument("--model", default=None,
+                   help="start from this run folder or HF folder (with tokenizer.json); = init.hf_dir=PATH")
     p.add_argument("--out", default=None, help="write the result table as JSON here")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50 eval.questions=32")
     args = p.parse_args(argv)
-    recipe = config_lib.load_config(BlockRecipe, args.config, args.overrides)
+    overrides = args.overrides + ([f"init.hf_dir={args.model}"] if args.model else [])
+    recipe = config_lib.load_config(BlockRecipe, args.config, overrides)
     d = recipe.data
-    t0 = time.perf_counter()
+    timer = StageTimer()
     train_sets, eval_sets = load_universes(d, recipe.eval.questions)
 
     init_params = None
     if recipe.init.hf_dir:
-        from rag_jax.model.hf import load_hf
-        model_cfg, model, _ = load_hf(recipe.init.hf_dir)
+        from rag_jax.evaluation.models import load_for_eval
+        loaded = load_for_eval(recipe.init.hf_dir)
+        if loaded.tokenizer is None:
+            raise FileNotFoundError(f"init.hf_dir={recipe.init.hf_dir!r} has no tokenizer.json")
+        model_cfg = loaded.model_config
         recipe = dataclasses.replace(recipe, model=model_cfg.replace(max_seq_len=max(model_cfg.max_seq_len,
                                                                                      d.seq_len)))
-        init_params = nnx.state(model, nnx.Param)
-        tokenizer = load_tokenizer(recipe.init.hf_dir)
+        init_params, tokenizer = loaded.params, loaded.tokenizer
     else:
         # Unlabelled text only: all article texts (evaluation universe included, so its new names are not
         # split into bytes), training questions, and the template strings.
@@ -341,7 +336,7 @@ def main(argv=None) -> dict:
     print(f"data: {len(train_examples)} training examples, {len(eval_examples)} evaluation questions, "
           f"{d.passages} passages each, vocab {tokenizer.get_vocab_size()}, "
           f"mean prompt {np.mean([len(ex.prompt) for ex, _ in eval_examples]):.0f} tokens "
-          f"({time.perf_counter() - t0:.0f}s)", flush=True)
+          f"({timer.total()[0]:.0f}s)", flush=True)
 
     if recipe.init.base_steps:
         base = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, steps=recipe.init.base_steps,
@@ -362,19 +357,16 @@ def main(argv=None) -> dict:
     print(f"\nPhantomWiki QA, {len(eval_examples)} held-out questions, set EM (F1) in %; "
           f"{recipe.init.base_steps} shared full-attention base steps, then {recipe.train.steps} fine-tuning "
           f"steps x {recipe.train.global_batch_size} examples per model:")
-    print("model | full inference | block inference | block - full | training questions (full)")
-    for name, r in results.items():
-        seen = f"{r['train_full']['acc']:.1f}" if "train_full" in r else "-"
-        print(f"{name} | {r['full']['acc']:.1f} ({r['full']['f1']:.1f}) | {r['block']['acc']:.1f} "
-              f"({r['block']['f1']:.1f}) | {r['block']['acc'] - r['full']['acc']:+.1f} | {seen}")
+    print(table(["model", "full inference", "block inference", "block - full", "training questions (full)"],
+                [[name, f"{r['full']['acc']:.1f} ({r['full']['f1']:.1f})",
+                  f"{r['block']['acc']:.1f} ({r['block']['f1']:.1f})", r["block"]["acc"] - r["full"]["acc"],
+                  r["train_full"]["acc"] if "train_full" in r else "-"] for name, r in results.items()],
+                floatfmt=(".1f", ".1f", ".1f", "+.1f", ".1f")))
     gap = results["block-FT"]["block"]["acc"] - results["full-FT"]["full"]["acc"]
     print(f"block-FT in block mode vs full-FT in full mode: {gap:+.1f} points (paper -1.3; goal >= -2)")
     print(f"sample (block-FT, block mode): {results['block-FT']['block']['sample']}  "
-          f"[{time.perf_counter() - t0:.0f}s total]")
+          f"[{timer.total()[0]:.0f}s total]")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    return results
-
-
-if __name__ == "__main__":
-    main()
+        from rag_jax.atomic import write_text
+        write_text(args.out, json.dumps(results, indent=1))
+    return 0

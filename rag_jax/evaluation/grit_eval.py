@@ -8,44 +8,41 @@ nq-open-oracle.jsonl.gz``):
 - generative pairs: ``[passage window around the answer + question, answer]`` (reading comprehension;
   loss on the answer).
 Held-out questions are the test set. Each model starts from the same random init (same seed) and
-trains ``steps`` steps with the same data order through the project's jitted train step
-(``rag_jax.train.step``) and ``GritLoss``.
+trains ``steps`` steps with the same data order through the one trainer (``rag_jax.train.trainer.run``)
+and ``GritLoss``.
 
 Reported: retrieval recall@k of held-out questions over a corpus of passages (their gold passages
 plus distractors) with the model in GRIT embedding mode (``GritEmbedder``; queries with the
 instruction, passages without), pretrained MiniLM (``BertEmbedder``) on the same corpus as a
 reference, and teacher-forced generation loss / next-token accuracy on held-out answers.
 
-    python eval/grit_eval.py       # CPU default (train/configs/grit_cpu.yaml): ~20 min on 2 busy CPU cores
-    python eval/grit_eval.py --config train/configs/grit_tiny.yaml --no_minilm   # smoke run, ~2 min
-    python eval/grit_eval.py steps=400 data.embedding_batch_size=32               # key=value overrides
+    rag-jax eval grit_eval       # CPU default (train/configs/grit_cpu.yaml): ~20 min on 2 busy CPU cores
+    rag-jax eval grit_eval --config train/configs/grit_tiny.yaml --no_minilm   # smoke run, ~2 min
+    rag-jax eval grit_eval steps=400 data.embedding_batch_size=32               # key=value overrides
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import json
-import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rag_jax import config as config_lib
+from rag_jax import sharding
+from rag_jax.data.grit import GritDataConfig, grit_batches, tokenize_generative_record
+from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, shared_file
+from rag_jax.data.tokenizer import train_bpe
+from rag_jax.evaluation.tables import table
+from rag_jax.metrics import recall_at_k
+from rag_jax.model import ModelConfig
+from rag_jax.model.embedding import GritEmbedder
+from rag_jax.train import optim
+from rag_jax.train.objectives.grit import GritConfig, GritLoss
 
-from rag_jax import config as config_lib  # noqa: E402
-from rag_jax import sharding  # noqa: E402
-from rag_jax.data.grit import GritDataConfig, grit_batches, tokenize_generative_record  # noqa: E402
-from rag_jax.data.tokenizer import train_bpe  # noqa: E402
-from rag_jax.model import ModelConfig  # noqa: E402
-from rag_jax.model.embedding import GritEmbedder  # noqa: E402
-from rag_jax.train import optim, step as step_lib  # noqa: E402
-from rag_jax.train.objectives.grit import GritConfig, GritLoss  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-NQ_PATH = ROOT.parent / "shared" / "data" / "lost_in_the_middle" / "nq-open-oracle.jsonl.gz"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "grit_cpu.yaml"
 MODES = ("unified", "embedding", "generative")
 
 
@@ -97,22 +94,15 @@ class GritRunConfig:
             raise ValueError(f"corpus_size={self.corpus_size} must be >= eval_questions={self.eval_questions}")
 
 
-def load_nq(path: Path = NQ_PATH) -> list[dict]:
-    """NQ-open oracle rows -> ``[{"question", "answers", "passage"}]`` (passage = title + text).
+def load_nq(path: Path | None = None) -> list[dict]:
+    """NQ-open oracle rows (``rag_jax.data.loaders.load_nq_oracle``) -> ``[{"question", "answers", "passage"}]``
+    (passage = gold title + text).
 
     Raises:
       FileNotFoundError: the shared data file is absent.
     """
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (the project's shared data folder); see shared/data/README.md")
-    rows = []
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            r = json.loads(line)
-            ctx = r["ctxs"][0]
-            rows.append({"question": r["question"], "answers": r["answers"],
-                         "passage": f"{ctx['title']} {ctx['text']}".strip()})
-    return rows
+    return [{"question": ex.question, "answers": list(ex.answers), "passage": f"{ex.gold.title} {ex.gold.text}".strip()}
+            for ex in load_nq_oracle(path or shared_file(*NQ_ORACLE))]
 
 
 def answer_window(passage: str, answer: str, words: int) -> str:
@@ -176,32 +166,26 @@ def train_tokenizer(cfg: GritRunConfig, rows: list[dict]):
 
 
 def train_model(cfg: GritRunConfig, mode: str, emb_records, gen_records, tokenizer, log_every: int = 25):
-    """Train one model in GRIT ``mode`` for ``cfg.steps`` steps -> ``(graphdef, params, last metrics)``."""
+    """Train one model in GRIT ``mode`` for ``cfg.steps`` steps with the one trainer -> ``(graphdef, params)``."""
+    from rag_jax.train import trainer
+
     mesh = sharding.make_mesh(cfg.mesh)
-    model_cfg = step_lib.apply_precision(cfg.model, cfg.precision)
-    tx = optim.make_optimizer(cfg.optimizer, cfg.steps)
-    graphdef, state, shardings = step_lib.init_train_state(model_cfg, tx, mesh, seed=cfg.seed)
     loss_fn = GritLoss(dataclasses.replace(cfg.grit, mode=mode), mesh=mesh)
-    train_step = step_lib.make_train_step(graphdef, tx, loss_fn, shardings, mesh, seed=cfg.seed)
     batches = grit_batches(emb_records if mode != "generative" else None,
                            gen_records if mode != "embedding" else None, tokenizer, cfg.data)
-    metrics, t0 = {}, time.perf_counter()
-    for step in range(1, cfg.steps + 1):
-        batch = {k: jax.device_put(v, sharding.batch_sharding(mesh, v.ndim)) for k, v in next(batches).items()}
-        state, metrics = train_step(state, batch)
-        if step % log_every == 0 or step == cfg.steps:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            print(f"  [{mode}] step {step}/{cfg.steps} " + " ".join(
-                f"{k}={m[k]:.3f}" for k in ("loss", "loss_rep", "loss_gen", "rep_accuracy") if k in m)
-                + f" ({time.perf_counter() - t0:.0f}s)", flush=True)
-    return graphdef, state.params
+    run_cfg = trainer.RunConfig(model=cfg.model, mesh=cfg.mesh, optimizer=cfg.optimizer,
+                                train=trainer.TrainConfig(steps=cfg.steps, seed=cfg.seed, precision=cfg.precision,
+                                                          log_every=log_every))
+    task = trainer.Task(loss_fn, lambda step: next(batches), name=f"GRIT {mode}",
+                        progress_keys=("loss_rep", "loss_gen", "rep_accuracy"))
+    result = trainer.run(run_cfg, task, mesh=mesh)
+    return result.graphdef, result.state.params
 
 
-def recall_at_k(queries: np.ndarray, corpus: np.ndarray, gold: np.ndarray, ks) -> dict[int, float]:
-    """Fraction of queries whose gold row is among the top-k inner products, per k."""
-    order = np.argsort(-(queries @ corpus.T), axis=1, kind="stable")
-    rank = np.argmax(order == gold[:, None], axis=1)
-    return {k: float(np.mean(rank < k)) for k in ks}
+def retrieval_recall(queries: np.ndarray, corpus: np.ndarray, gold: np.ndarray, ks) -> dict[int, float]:
+    """recall@k (``rag_jax.metrics``) of the inner-product ranking of ``corpus`` rows for each query, per k."""
+    order = np.argsort(-(queries @ corpus.T), axis=1, kind="stable")[:, :max(ks)]
+    return {k: recall_at_k(order, [[g] for g in gold], k) for k in ks}
 
 
 def generation_metrics(cfg: GritRunConfig, graphdef, params, tokenizer, records) -> tuple[float, float]:
@@ -224,9 +208,10 @@ def generation_metrics(cfg: GritRunConfig, graphdef, params, tokenizer, records)
     return tot_loss / tot_tokens, tot_correct / tot_tokens
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(ROOT / "train" / "configs" / "grit_cpu.yaml"), help="YAML preset")
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="rag-jax eval grit_eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML preset")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     parser.add_argument("--no_minilm", action="store_true", help="skip the pretrained MiniLM reference")
     parser.add_argument("--json", default=None, help="write the results table here as JSON")
@@ -250,19 +235,18 @@ def main(argv=None):
         graphdef, params = train_model(cfg, mode, emb, gen, tokenizer)
         embedder = GritEmbedder((graphdef, params), tokenizer, instruction=cfg.instruction,
                                 max_length=cfg.data.passage_max_len, batch_size=32)
-        recall = recall_at_k(embedder.embed(questions), embedder.embed(corpus, instruction=""), gold, cfg.recall_k)
+        recall = retrieval_recall(embedder.embed(questions), embedder.embed(corpus, instruction=""), gold,
+                                  cfg.recall_k)
         loss, acc = generation_metrics(cfg, graphdef, params, tokenizer, test_gen)
         results[mode] = {**{f"recall@{k}": v for k, v in recall.items()}, "gen_loss": loss, "gen_accuracy": acc}
     if not args.no_minilm:
         from rag_jax.retrieval.embedders import BertEmbedder
         minilm = BertEmbedder(max_length=cfg.data.passage_max_len)
-        recall = recall_at_k(minilm.embed(questions), minilm.embed(corpus), gold, cfg.recall_k)
+        recall = retrieval_recall(minilm.embed(questions), minilm.embed(corpus), gold, cfg.recall_k)
         results["minilm (pretrained)"] = {f"recall@{k}": v for k, v in recall.items()}
 
     cols = [f"recall@{k}" for k in cfg.recall_k] + ["gen_loss", "gen_accuracy"]
-    print("\n| model | " + " | ".join(cols) + " |\n|---|" + "---:|" * len(cols))
-    for name, r in results.items():
-        print(f"| {name} | " + " | ".join(f"{r[c]:.3f}" if c in r else "-" for c in cols) + " |")
+    print("\n" + table(["model", *cols], [[name, *(r.get(c, "-") for c in cols)] for name, r in results.items()]))
     if "unified" in results:
         u = results["unified"]
         print("\nunified minus single-objective (points; goal: within 1 point):")
@@ -272,9 +256,6 @@ def main(argv=None):
             print(f"  generation accuracy: {100 * (u['gen_accuracy'] - results['generative']['gen_accuracy']):+.1f}, "
                   f"loss: {u['gen_loss'] - results['generative']['gen_loss']:+.3f} nats")
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": config_lib.to_dict(cfg), "results": results}, indent=1))
-    return results
-
-
-if __name__ == "__main__":
-    main()
+        from rag_jax.atomic import write_text
+        write_text(args.json, json.dumps({"config": config_lib.to_dict(cfg), "results": results}, indent=1))
+    return 0

@@ -18,40 +18,37 @@ evenly spread depths. With ``--kv-samples N`` it also scores the real file
 ``../shared/data/lost_in_the_middle/kv-retrieval-75_keys.jsonl.gz`` (75 UUID pairs, ~6.3K tokens; correct when the
 gold value appears in the output).
 
-The model is trained with the framework's train step (``rag_jax.train.step``) and saved with orbax under
-``--checkpoint`` (loaded instead when it exists). Examples::
+``--model PATH`` is loaded when it exists (a run folder or an HF folder,
+``rag_jax.evaluation.models.load_for_eval``); otherwise a model is trained with the one trainer
+(``rag_jax.train.trainer.run``) and PATH becomes its run folder (tokenizer: ``byte_tokenizer``). Examples::
 
-    python eval/passkey.py --checkpoint runs/passkey_model                     # train if missing, small eval
+    rag-jax eval passkey --model runs/passkey_model                     # train if missing, small eval
     # the reported model (the defaults: 3 layers, hidden 128, 2,500 steps x 16 rows of 256 tokens; ~20 min on
     # 2 CPU cores). 2 layers plateau at ~35% exact even at 256 tokens: single-token induction cannot copy keys
     # with a repeated digit (70% of 5-digit keys); the third layer gives the copy two tokens of context.
-    python eval/passkey.py --checkpoint runs/passkey_model --lengths 256 --methods full em_llm
-    python eval/passkey.py --checkpoint runs/passkey_model --lengths 4096 16384 65536 262144 1048576 --samples 5
+    rag-jax eval passkey --model runs/passkey_model --lengths 256 --methods full em_llm
+    rag-jax eval passkey --model runs/passkey_model --lengths 4096 16384 65536 262144 1048576 --samples 5
 """
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rag_jax import sharding
+from rag_jax.data.loaders import shared_file
+from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import StageTimer
+from rag_jax.memory import EMLLM, EMLLMConfig
+from rag_jax.model import ModelConfig, Transformer
+from rag_jax.train import optim
+from rag_jax.train.objectives.lm import LMLoss
 
-from rag_jax import sharding  # noqa: E402
-from rag_jax.memory import EMLLM, EMLLMConfig  # noqa: E402
-from rag_jax.model import ModelConfig, Transformer  # noqa: E402
-from rag_jax.train import optim, step as step_lib  # noqa: E402
-from rag_jax.train.objectives.lm import LMLoss  # noqa: E402
-
-KV_FILE = ROOT.parent / "shared" / "data" / "lost_in_the_middle" / "kv-retrieval-75_keys.jsonl.gz"
+KV_FILE = shared_file("lost_in_the_middle", "kv-retrieval-75_keys.jsonl.gz")
+EM_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "em_llm_passkey.yaml"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 # The standard needle and question with a colon before the key (no colon occurs in the filler), so a small
 # byte-level model trained for minutes on CPU learns the copy: the token before the answer is distinctive.
@@ -142,45 +139,34 @@ def training_batch(rng: np.random.Generator, batch: int, seq_len: int) -> dict[s
 
 
 def train_model(cfg: ModelConfig, steps: int, batch: int, seq_len: int, lr: float, seed: int,
-                init: Transformer | None = None) -> Transformer:
-    """Train with the framework's jitted train step (causal LM loss) on one device, from ``init``'s weights if
-    given (a fresh optimizer)."""
+                init: Transformer | None = None, run_dir: str | Path | None = None,
+                progress: bool = True) -> Transformer:
+    """Train with the one trainer (causal LM loss, :func:`training_batch` rows) on one device, from ``init``'s
+    weights if given (a fresh optimizer); ``run_dir``: write the run folder there (``load_model`` reads it)."""
+    from rag_jax.data.pipeline import DataConfig
+    from rag_jax.data.tokenizer import byte_tokenizer
+    from rag_jax.train import trainer
+    from rag_jax.train.checkpoint import CheckpointConfig
+
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-    tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=lr, warmup_steps=min(100, steps // 10),
-                                                    weight_decay=0.01), steps)
-    graphdef, state, shardings = step_lib.init_train_state(cfg, tx, mesh, seed=seed)
-    if init is not None:
-        state = state.replace(params=jax.device_put(nnx.state(init, nnx.Param), shardings.params))
-    train_step = step_lib.make_train_step(graphdef, tx, LMLoss(mode="causal"), shardings, mesh, seed=seed)
+    run_cfg = trainer.RunConfig(
+        model=cfg, mesh=sharding.MeshConfig(data=1, fsdp=1, tensor=1), data=DataConfig(seq_len=seq_len),
+        optimizer=optim.OptimizerConfig(learning_rate=lr, warmup_steps=min(100, steps // 10), weight_decay=0.01),
+        train=trainer.TrainConfig(steps=steps, global_batch_size=batch, seed=seed, log_every=min(50, steps),
+                                  objective="lm_causal", run_dir=str(run_dir) if run_dir else None),
+        checkpoint=CheckpointConfig(save_every=steps, keep=1, async_save=False),
+        logging=trainer.LoggingConfig(progress_bar=progress))
     rng = np.random.default_rng(seed)
-    t0 = time.perf_counter()
-    for i in range(1, steps + 1):
-        state, metrics = train_step(state, training_batch(rng, batch, seq_len))
-        if i % 50 == 0 or i == steps:
-            m = jax.device_get(metrics)
-            print(f"step {i}/{steps} loss {float(m['loss']):.4f} acc {float(m['accuracy']):.3f} "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    return nnx.merge(graphdef, state.params)
+    task = trainer.Task(LMLoss(mode="causal"), lambda step: training_batch(rng, batch, seq_len), name="passkey reader",
+                        tokenizer=byte_tokenizer())
+    result = trainer.run(run_cfg, task, init_params=None if init is None else nnx.state(init, nnx.Param), mesh=mesh)
+    return nnx.merge(result.graphdef, result.state.params)
 
 
-def save_model(model: Transformer, path: Path) -> None:
-    """Orbax params + model.json, written to a temporary folder then renamed (atomic)."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(tmp.absolute() / "params", nnx.state(model, nnx.Param))
-    ckpt.wait_until_finished()
-    (tmp / "model.json").write_text(json.dumps(model.config.to_dict()))
-    tmp.rename(path)
-
-
-def load_model(path: Path) -> Transformer:
-    cfg = ModelConfig(**json.loads((path / "model.json").read_text()))
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    params = ocp.StandardCheckpointer().restore(path.absolute() / "params", params)
-    return nnx.merge(graphdef, params, rest)
+def load_model(path: str | Path) -> Transformer:
+    """The model of a run folder (e.g. :func:`train_model`'s ``run_dir``) or an HF folder."""
+    from rag_jax.evaluation.models import load_for_eval
+    return load_for_eval(path).module()
 
 
 def method_config(method: str, base: EMLLMConfig, length: int, infllm_block: int) -> EMLLMConfig:
@@ -203,16 +189,18 @@ def run_prompt(model, cfg: EMLLMConfig, cache: dict, prompt: np.ndarray, max_new
     if em is None:
         em = cache[cfg] = EMLLM(model, cfg)
     em.reset()
-    t0 = time.perf_counter()
+    timer = StageTimer()
     out = em.generate(prompt, max_new_tokens)
-    return decode(out), time.perf_counter() - t0
+    timer.stage("generate")
+    return decode(out), timer.wall["generate"]
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax eval passkey", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--checkpoint", type=Path, default=ROOT / "runs" / "passkey_model",
-                   help="model folder: loaded if it exists, else trained and saved there")
+    p.add_argument("--model", "--checkpoint", dest="model", type=Path, default=Path("runs/passkey_model"),
+                   help="run folder or HF folder: loaded if it exists, else a model is trained and its run folder "
+                        "written there")
     p.add_argument("--train-steps", type=int, default=2500)
     p.add_argument("--train-len", type=int, default=256, help="training context in tokens (<= 1024)")
     p.add_argument("--batch", type=int, default=16)
@@ -220,23 +208,23 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=128, help="hidden size of a newly trained model (4 heads)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--init-from", type=Path, default=None,
-                   help="start training from this saved model (fine-tune further) instead of random weights")
+                   help="start training from this model (run or HF folder; fine-tune further) instead of random weights")
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--samples", type=int, default=4, help="passkey prompts per length (depths evenly spread)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--em-config", type=Path, default=ROOT / "train" / "configs" / "em_llm_passkey.yaml")
+    p.add_argument("--em-config", type=Path, default=EM_CONFIG)
     p.add_argument("--infllm-block", type=int, default=128, help="InfLLM fixed block size in tokens")
     p.add_argument("--full-max", type=int, default=16384, help="longest input run with full attention")
     p.add_argument("--kv-samples", type=int, default=0, help="examples of the real KV-retrieval file to score")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if not MIN_PASSKEY_LEN + 64 <= args.train_len <= 1024:
-        raise SystemExit(f"--train-len={args.train_len} must be in [{MIN_PASSKEY_LEN + 64}, 1024] tokens "
-                         "(short-context training)")
+        p.error(f"--train-len={args.train_len} must be in [{MIN_PASSKEY_LEN + 64}, 1024] tokens "
+                "(short-context training)")
 
-    if args.checkpoint.exists():
-        model = load_model(args.checkpoint)
-        print(f"loaded {args.checkpoint}")
+    if args.model.exists():
+        model = load_model(args.model)
+        print(f"loaded {args.model}")
     else:
         cfg = ModelConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                           num_layers=args.layers, num_heads=4, num_kv_heads=2, max_seq_len=args.train_len,
@@ -244,9 +232,9 @@ def main(argv=None) -> None:
         init = load_model(args.init_from) if args.init_from else None
         if init is not None:
             cfg = init.config.replace(max_seq_len=max(init.config.max_seq_len, args.train_len))
-        model = train_model(cfg, args.train_steps, args.batch, args.train_len, args.lr, args.seed, init)
-        save_model(model, args.checkpoint)
-        print(f"saved {args.checkpoint}")
+        model = train_model(cfg, args.train_steps, args.batch, args.train_len, args.lr, args.seed, init,
+                            run_dir=args.model)
+        print(f"saved {args.model}")
     base = EMLLMConfig.from_yaml(args.em_config)
     rng = np.random.default_rng(args.seed + 1)
     cache: dict = {}
@@ -270,37 +258,30 @@ def main(argv=None) -> None:
 
     print(f"\nPasskey accuracy: exact match of the 5-digit key / share of key digits right (chance 0.10); "
           f"{args.samples} prompts per length; model trained at {model.config.max_seq_len} tokens")
-    print("| method | " + " | ".join(f"{n:,}" for n in args.lengths) + " | median tok/s |")
-    print("|---" * (len(args.lengths) + 2) + "|")
-    for method in args.methods:
-        cells = [f"{np.mean(results[(method, n)]):.2f} / {np.mean(digits[(method, n)]):.2f}"
-                 if (method, n) in results else "-" for n in args.lengths]
-        rate = f"{np.median(speed[method]):,.0f}" if speed[method] else "-"
-        print(f"| {method} | " + " | ".join(cells) + f" | {rate} |")
+    rows = [[method, *(f"{np.mean(results[(method, n)]):.2f} / {np.mean(digits[(method, n)]):.2f}"
+                       if (method, n) in results else "-" for n in args.lengths),
+             float(np.median(speed[method])) if speed[method] else "-"] for method in args.methods]
+    print(table(["method", *(f"{n:,}" for n in args.lengths), "median tok/s"], rows, floatfmt=",.0f"))
 
     if args.kv_samples:
         if not KV_FILE.exists():
             print(f"\nKV retrieval skipped: {KV_FILE} is absent")
-            return
-        import gzip
-        with gzip.open(KV_FILE, "rt") as f:
-            rows = [json.loads(line) for _, line in zip(range(args.kv_samples), f)]
-        print(f"\nKey-value retrieval, {KV_FILE.name}, {len(rows)} examples (gold value in the output)")
-        print("| method | accuracy | prompt tokens |")
-        print("|---|---|---|")
+            return 0
+        from rag_jax.data.loaders import load_kv_retrieval
+        examples = load_kv_retrieval(KV_FILE, limit=args.kv_samples)
+        print(f"\nKey-value retrieval, {KV_FILE.name}, {len(examples)} examples (gold value in the output)")
+        rows = []
         for method in args.methods:
             hits, lengths = [], []
-            for row in rows:
-                prompt = encode(kv_prompt(row["ordered_kv_records"], row["key"]))
+            for ex in examples:
+                prompt = encode(kv_prompt(ex.kv_records, ex.key))
                 if method == "full" and len(prompt) > args.full_max:
                     continue
                 out, _ = run_prompt(model, method_config(method, base, len(prompt), args.infllm_block), cache,
                                     prompt, 40)
-                hits.append(row["value"] in out)
+                hits.append(ex.value in out)
                 lengths.append(len(prompt))
             if hits:
-                print(f"| {method} | {np.mean(hits):.2f} | {int(np.median(lengths)):,} |")
-
-
-if __name__ == "__main__":
-    main()
+                rows.append([method, float(np.mean(hits)), float(np.median(lengths))])
+        print(table(["method", "accuracy", "prompt tokens"], rows, floatfmt=("", ".2f", ",.0f")))
+    return 0

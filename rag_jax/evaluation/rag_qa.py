@@ -1,13 +1,14 @@
-"""Retrieval-augmented QA with a ``rag-jax demo`` checkpoint: PhantomWiki folders and the NQ-open oracle.
+"""Retrieval-augmented QA with a model (``--model``: a ``rag-jax demo`` run folder, or any run / HF folder):
+PhantomWiki folders and the NQ-open oracle.
 
-Metrics (``rag_jax.metrics`` via ``rag_jax.demo.score_answer``; research note retrieval_eval.md §2):
+Metrics (``rag_jax.metrics`` via ``rag_jax.evaluation.rag.score_answer``; research note retrieval_eval.md §2):
 SQuAD-normalized exact match (EM), token F1, best-subspan EM (gold is a substring of the prediction,
 Lost in the Middle) and PhantomWiki's set EM / set-F1 (split on commas, lowercase, compare as sets).
 
 - PhantomWiki folder (``articles.json`` + ``questions.json``): the questions the demo would hold out
   (same selection, section passages and seeded split as ``rag-jax demo --data``; ``--split all``
   scores every selected question). Conditions: no retrieval; the top-k passages of a ScaNN index
-  (MiniLM or the checkpoint in GRIT embedding mode) under full attention and under Block-Attention
+  (MiniLM or the model in GRIT embedding mode) under full attention and under Block-Attention
   with KV reuse; the gold passage(s) forced into the top k. For answer sets the SQuAD metrics compare against the
   comma-joined set.
 - NQ-open oracle (``nq-open-oracle.jsonl.gz``, Liu et al. 2024): each question with its gold passage
@@ -15,32 +16,40 @@ Lost in the Middle) and PhantomWiki's set EM / set-F1 (split on commas, lowercas
   metric is the best over them. Passages longer than the model's window are truncated.
 
 A demo model trained on a fictional universe is not expected to answer NQ; the NQ rows show the
-pipeline and the metrics on real data (a checkpoint trained with ``--config`` at scale would).
+pipeline and the metrics on real data (a model trained with ``--config`` at scale would). A run folder's
+``config.yaml`` gives the task, retriever and GRIT settings (``rag_jax.evaluation.models.rag_settings``).
 
-    python eval/rag_qa.py --checkpoint runs/demo/checkpoint --data ../shared/data/phantomwiki/depth6_seed11
-    python eval/rag_qa.py --checkpoint runs/demo/checkpoint \\
-        --data ../shared/data/lost_in_the_middle/nq-open-oracle.jsonl.gz --limit 200
+    rag-jax eval rag_qa --model runs/demo --data ../shared/data/phantomwiki/depth6_seed11
+    rag-jax eval rag_qa --model runs/demo --data ../shared/data/lost_in_the_middle/nq-open-oracle.jsonl.gz --limit 200
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rag_jax import demo  # noqa: E402
+from rag_jax.data import phantom_rag
+from rag_jax.evaluation.rag import generate_answers, mean_scores, score_answer
+from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import StageTimer
 
 METRICS = ("em", "f1", "subspan_em", "set_em", "set_f1")
 
 
 def _score(preds: list[str], golds: list[list[str]], golds_are_set: bool) -> dict:
-    rows = [demo.score_answer(p, g, golds_are_set=golds_are_set) for p, g in zip(preds, golds)]
-    return {m: float(np.mean([r[m] for r in rows])) for m in METRICS}
+    return mean_scores([score_answer(p, g, golds_are_set=golds_are_set) for p, g in zip(preds, golds)])
+
+
+def _answer_conditions(plan, prompts: dict, golds, golds_are_set: bool, tokenizer, ba, args) -> tuple[dict, list]:
+    """Greedy answers and mean scores per ``(label, prompts key, mode)`` of ``plan``; seconds per condition."""
+    results, shown, timer = {}, [], StageTimer()
+    for label, which, mode in plan:
+        preds = generate_answers(ba, tokenizer, prompts[which], mode=mode, max_new_tokens=args.max_new_tokens,
+                                 batch_size=args.batch_size)
+        timer.stage(label)
+        results[label] = {**_score(preds, golds, golds_are_set), "seconds": timer.wall[label]}
+        shown.append({label: preds[:5]})
+    return results, shown
 
 
 def _fit(blocks: list[list[int]], max_len: int) -> list[list[int]]:
@@ -55,17 +64,18 @@ def _fit(blocks: list[list[int]], max_len: int) -> list[list[int]]:
     return out + [list(blocks[-1])]
 
 
-def eval_phantomwiki(args, cfg, model, tokenizer) -> tuple[dict, list[dict]]:
+def eval_phantomwiki(args, settings, model, tokenizer) -> tuple[dict, list[dict]]:
     import dataclasses
 
+    from rag_jax.evaluation.rag import retrieval_eval, with_gold
     from rag_jax.inference.block_attention import BlockAttention
     from rag_jax.inference.kv_store import KVStore
     from rag_jax.model.embedding import GritEmbedder
     from rag_jax.retrieval.embedders import BertEmbedder
 
-    task = dataclasses.replace(cfg.task, **{k: v for k, v in (("questions", args.questions),
-                                                               ("max_hops", args.max_hops)) if v is not None})
-    data = demo.prepare_data(dataclasses.replace(cfg, task=task), args.data)
+    task = dataclasses.replace(settings.task, **{k: v for k, v in (("questions", args.questions),
+                                                                    ("max_hops", args.max_hops)) if v is not None})
+    data = phantom_rag.prepare_data(settings.universe, task, args.data)
     questions = data.eval_questions if args.split == "heldout" else data.eval_questions + data.train_questions
     questions = questions[:args.limit] if args.limit else questions
     k = task.num_passages
@@ -73,61 +83,51 @@ def eval_phantomwiki(args, cfg, model, tokenizer) -> tuple[dict, list[dict]]:
         emb = BertEmbedder()
         embed_docs = embed_queries = emb.embed
     else:
-        grit = GritEmbedder(model, tokenizer, max_length=cfg.train.passage_max_len or 256, fmt=demo.grit_format())
+        grit = GritEmbedder(model, tokenizer, max_length=settings.passage_max_len, fmt=phantom_rag.grit_format())
         embed_docs = grit.embed
-        embed_queries = lambda x: grit.embed(x, instruction=cfg.train.grit_instruction)  # noqa: E731
+        embed_queries = lambda x: grit.embed(x, instruction=settings.grit_instruction)  # noqa: E731
     docs = [p["text"] for p in data.eval_passages]
-    ranked, recall = demo.retrieval_eval(args.retriever, embed_docs, embed_queries, docs,
-                                         [q["question"] for q in questions], [q["gold"] for q in questions],
-                                         [q["hops"] for q in questions], (1, k, 5), cfg.retrieval.scann, k + 1)
+    ranked, recall = retrieval_eval(args.retriever, embed_docs, embed_queries, docs,
+                                    [q["question"] for q in questions], [q["gold"] for q in questions],
+                                    [q["hops"] for q in questions], (1, k, 5), settings.retrieval.scann, k + 1)
+    rag_example = phantom_rag.rag_example
     prompts = {
-        "no retrieval": [demo.rag_example(tokenizer, q["question"], []).blocks for q in questions],
-        "retrieval": [demo.rag_example(tokenizer, q["question"], [docs[j] for j in r[:k] if j >= 0]).blocks
+        "no retrieval": [rag_example(tokenizer, q["question"], []).blocks for q in questions],
+        "retrieval": [rag_example(tokenizer, q["question"], [docs[j] for j in r[:k] if j >= 0]).blocks
                       for q, r in zip(questions, ranked)],
-        "gold": [demo.rag_example(tokenizer, q["question"], [docs[j] for j in demo.with_gold(r, q["gold"], k)]).blocks
+        "gold": [rag_example(tokenizer, q["question"], [docs[j] for j in with_gold(r, q["gold"], k)]).blocks
                  for q, r in zip(questions, ranked)],
     }
     ba = BlockAttention(model, store=KVStore(max_bytes=1 << 30))
-    golds = [q["answer"] for q in questions]
-    results, examples = {}, []
-    for label, which, mode in (("no retrieval", "no retrieval", "full"),
-                               (f"retrieved top-{k} ({args.retriever}), full", "retrieval", "full"),
-                               (f"retrieved top-{k} ({args.retriever}), block", "retrieval", "block"),
-                               (f"gold in top-{k}, block", "gold", "block")):
-        t0 = time.perf_counter()
-        preds = demo.generate_answers(ba, tokenizer, prompts[which], mode=mode, max_new_tokens=args.max_new_tokens,
-                                      batch_size=args.batch_size)
-        results[label] = {**_score(preds, golds, True), "seconds": time.perf_counter() - t0}
-        examples.append({label: preds[:5]})
+    plan = (("no retrieval", "no retrieval", "full"),
+            (f"retrieved top-{k} ({args.retriever}), full", "retrieval", "full"),
+            (f"retrieved top-{k} ({args.retriever}), block", "retrieval", "block"),
+            (f"gold in top-{k}, block", "gold", "block"))
+    results, examples = _answer_conditions(plan, prompts, [q["answer"] for q in questions], True, tokenizer, ba, args)
     info = {"dataset": str(args.data), "questions": len(questions), "question_kind": data.question_kind,
             "split": args.split, "retrieval": {kk: v for kk, v in recall.items() if kk != "by_hops"},
             "kv_store": {"entries": len(ba.store), **ba.store.stats}}
     return {"info": info, "results": results}, examples
 
 
-def eval_nq(args, cfg, model, tokenizer) -> tuple[dict, list[dict]]:
+def eval_nq(args, max_seq_len: int, model, tokenizer) -> tuple[dict, list[dict]]:
     from rag_jax.data.block_rag import encode
     from rag_jax.data.loaders import load_nq_oracle
     from rag_jax.inference.block_attention import BlockAttention
     from rag_jax.inference.kv_store import KVStore
 
     examples = load_nq_oracle(args.data, limit=args.limit or None)
-    max_len = cfg.model.max_seq_len - args.max_new_tokens
+    max_len = max_seq_len - args.max_new_tokens
     ba = BlockAttention(model, store=KVStore(max_bytes=1 << 30))
     closed, oracle = [], []
     for ex in examples:
-        last = encode(tokenizer, demo.question_block(ex.question))
+        last = encode(tokenizer, phantom_rag.question_block(ex.question))
         closed.append([last])
-        oracle.append(_fit([encode(tokenizer, demo.passage_text(ex.gold.title, ex.gold.text)), last], max_len))
-    golds = [list(ex.answers) for ex in examples]
-    results, shown = {}, []
-    for label, prompts, mode in (("no context", closed, "full"), ("gold passage, full", oracle, "full"),
-                                 ("gold passage, block", oracle, "block")):
-        t0 = time.perf_counter()
-        preds = demo.generate_answers(ba, tokenizer, prompts, mode=mode, max_new_tokens=args.max_new_tokens,
-                                      batch_size=args.batch_size)
-        results[label] = {**_score(preds, golds, False), "seconds": time.perf_counter() - t0}
-        shown.append({label: preds[:5]})
+        oracle.append(_fit([encode(tokenizer, phantom_rag.passage_text(ex.gold.title, ex.gold.text)), last], max_len))
+    plan = (("no context", "closed", "full"), ("gold passage, full", "oracle", "full"),
+            ("gold passage, block", "oracle", "block"))
+    results, shown = _answer_conditions(plan, {"closed": closed, "oracle": oracle},
+                                        [list(ex.answers) for ex in examples], False, tokenizer, ba, args)
     info = {"dataset": str(args.data), "questions": len(examples)}
     return {"info": info, "results": results}, shown
 
@@ -139,25 +139,26 @@ def print_table(report: dict) -> None:
     if "retrieval" in info:
         print("# retrieval: " + ", ".join(f"{k}={v:.3f}" for k, v in info["retrieval"].items()
                                           if k.startswith(("recall", "hit"))))
-    print("| condition | " + " | ".join(METRICS) + " | seconds |")
-    print("|---|" + "---:|" * (len(METRICS) + 1))
-    for name, r in report["results"].items():
-        print(f"| {name} | " + " | ".join(f"{r[m]:.3f}" for m in METRICS) + f" | {r['seconds']:.1f} |")
+    print(table(["condition", *METRICS, "seconds"],
+                [[name, *(r[m] for m in METRICS), r["seconds"]] for name, r in report["results"].items()],
+                floatfmt=(".3f",) * (len(METRICS) + 1) + (".1f",)))
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, type=Path, help="a demo checkpoint folder (<out>/checkpoint)")
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax eval rag_qa", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", "--checkpoint", dest="model", required=True, type=Path,
+                   help="a run folder (rag-jax demo / rag-jax train output) or an HF folder with tokenizer.json")
     p.add_argument("--data", required=True, type=Path,
                    help="PhantomWiki folder, or an NQ-open oracle .jsonl(.gz) file")
     p.add_argument("--limit", type=int, default=200, help="at most this many questions (0 = all)")
     p.add_argument("--split", choices=("heldout", "all"), default="heldout",
                    help="PhantomWiki: the demo's held-out questions, or all selected ones")
-    p.add_argument("--questions", choices=demo.QUESTION_KINDS, default=None,
-                   help="PhantomWiki question selection (default: the checkpoint's task.questions)")
+    p.add_argument("--questions", choices=phantom_rag.QUESTION_KINDS, default=None,
+                   help="PhantomWiki question selection (default: the run's task.questions)")
     p.add_argument("--max-hops", type=int, default=None, help="PhantomWiki: at most this many hops")
-    p.add_argument("--retriever", choices=demo.RETRIEVERS, default=None,
-                   help="PhantomWiki retriever (default: the checkpoint's retrieval.retriever)")
+    p.add_argument("--retriever", choices=("grit", "minilm"), default=None,
+                   help="PhantomWiki retriever (default: the run's retrieval.retriever)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", type=Path, default=None, help="JSON output (default: runs/eval/rag_qa_<data>.json)")
@@ -166,25 +167,25 @@ def main(argv=None) -> dict:
         p.error("--limit must be >= 0, --max-new-tokens and --batch-size >= 1")
     if not args.data.exists():
         p.error(f"--data {args.data} does not exist")
+    from rag_jax.evaluation.models import load_for_eval, rag_settings
     try:
-        cfg, graphdef, params, tokenizer = demo.load_checkpoint(args.checkpoint)
+        loaded = load_for_eval(args.model)
+        settings = rag_settings(loaded.config)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
-    args.retriever = args.retriever or cfg.retrieval.retriever
-    model = (graphdef, params)
-    t0 = time.perf_counter()
+    if loaded.tokenizer is None:
+        p.error(f"--model {args.model} has no tokenizer.json")
+    args.retriever = args.retriever or settings.retrieval.retriever
+    timer = StageTimer()
     if args.data.is_dir():
-        report, examples = eval_phantomwiki(args, cfg, model, tokenizer)
+        report, examples = eval_phantomwiki(args, settings, loaded.model, loaded.tokenizer)
     else:
-        report, examples = eval_nq(args, cfg, model, tokenizer)
-    report["info"].update(checkpoint=str(args.checkpoint), seconds=time.perf_counter() - t0, examples=examples)
+        report, examples = eval_nq(args, loaded.model_config.max_seq_len, loaded.model, loaded.tokenizer)
+    report["info"].update(model=str(args.model), seconds=timer.total()[0], examples=examples)
     print_table(report)
+    from rag_jax.atomic import write_text
     out = args.out or Path("runs/eval") / f"rag_qa_{args.data.name.split('.')[0]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    write_text(out, json.dumps(report, indent=1))
     print(f"# wrote {out}")
-    return report
-
-
-if __name__ == "__main__":
-    main()
+    return 0

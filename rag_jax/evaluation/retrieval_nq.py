@@ -10,46 +10,28 @@ Rows: exact (``ExactIndex``), ScaNN with the size rules (brute force at this siz
 to AH + reorder and to tree + AH + reorder (``target_recall`` tuned), which is what larger corpora
 use. ``agree@20`` is the overlap of each method's top 20 with exact search.
 
-    python eval/retrieval_nq.py                 # all 2,655 questions (minutes on 2 CPU cores)
-    python eval/retrieval_nq.py --limit 300     # quick run: first 300 questions, their passages
+    rag-jax eval retrieval_nq                 # all 2,655 questions (minutes on 2 CPU cores)
+    rag-jax eval retrieval_nq --limit 300     # quick run: first 300 questions, their passages
 """
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
+from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import StageTimer
+from rag_jax.metrics import hit_at_k, recall_at_k
 
-from rag_jax.retrieval.embedders import BertEmbedder, embed_texts  # noqa: E402
-from rag_jax.retrieval.exact import ExactIndex  # noqa: E402
-from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex  # noqa: E402
-
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "lost_in_the_middle" / \
-    "nq-open-oracle.jsonl.gz"
 KS = (1, 5, 20)
 
 
-def load_oracle(path: Path, limit: int | None):
-    """-> (questions [q], passages [p] as (title, text), gold pool row per question [q])."""
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    rows = rows[:limit] if limit else rows
-    pool, gold = {}, []
-    for r in rows:
-        ctx = next(c for c in r["ctxs"] if c.get("isgold", True))
-        gold.append(pool.setdefault((ctx["title"], ctx["text"]), len(pool)))
-    return [r["question"] for r in rows], list(pool), np.asarray(gold)
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax eval retrieval_nq", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, default=shared_file(*NQ_ORACLE))
     p.add_argument("--limit", type=int, default=None, help="first N questions (and their passages) only")
     p.add_argument("--max-length", type=int, default=256, help="MiniLM tokens per text (sentence-transformers: 256)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -57,22 +39,30 @@ def main(argv=None) -> None:
     p.add_argument("--target-recall", type=float, default=0.99, help="for the tuned tree row")
     args = p.parse_args(argv)
     if not args.data.is_file():
-        raise SystemExit(f"NQ oracle file {args.data} not found (it lives in ../shared/data; see its README)")
-    questions, passages, gold = load_oracle(args.data, args.limit)
+        p.error(f"NQ oracle file {args.data} not found (it lives in ../shared/data; see its README)")
+    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+    from rag_jax.retrieval.exact import ExactIndex
+    from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
+
+    examples = load_nq_oracle(args.data, args.limit)
+    questions = [ex.question for ex in examples]
+    passages, gold = nq_passage_pool(examples)
+    gold = [[g] for g in gold]
     print(f"# NQ-open oracle: {len(questions)} questions, pool of {len(passages)} gold passages", flush=True)
 
+    timer = StageTimer()
     if args.cache is not None and args.cache.is_file():
         cached = np.load(args.cache)
         q_vecs, p_vecs = cached["questions"], cached["passages"]
         if q_vecs.shape[0] != len(questions) or p_vecs.shape[0] != len(passages):
-            raise SystemExit(f"--cache {args.cache} does not match this data/--limit; delete it")
+            p.error(f"--cache {args.cache} does not match this data/--limit; delete it")
         embed_s = float("nan")
     else:
-        start = time.perf_counter()
         emb = BertEmbedder(max_length=args.max_length, batch_size=args.batch_size)
-        p_vecs = embed_texts(emb, [f"{t}\n{x}" for t, x in passages], desc="passages")
+        p_vecs = embed_texts(emb, [f"{x.title}\n{x.text}" for x in passages], desc="passages")
         q_vecs = embed_texts(emb, questions, desc="questions")
-        embed_s = time.perf_counter() - start
+        timer.stage("embed")
+        embed_s = timer.wall["embed"]
         if args.cache is not None:
             np.savez(args.cache, questions=q_vecs, passages=p_vecs)
     print(f"# embedding: {embed_s:.1f} s", flush=True)
@@ -92,26 +82,20 @@ def main(argv=None) -> None:
     k_max = max(KS)
     results = {}
     for name, index in methods.items():
-        start = time.perf_counter()
+        timer.stage("idle")
         index.add(p_vecs, ids)
         if isinstance(index, ScannIndex):
             index.build()
-        build_s = time.perf_counter() - start
-        start = time.perf_counter()
+        timer.stage("build")
         _, found = index.search(q_vecs, k_max)
-        search_s = time.perf_counter() - start
-        results[name] = (found, build_s, search_s, getattr(index, "params", {}))
+        timer.stage("search")
+        results[name] = (found, timer.wall["build"], timer.wall["search"], getattr(index, "params", {}))
     exact_found = results["exact (ExactIndex)"][0]
-    print("| method | " + " | ".join(f"recall@{k}" for k in KS) +
-          " | agree@20 vs exact | build s | search s | params |")
-    print("|---|" + "---:|" * (len(KS) + 3) + "---|")
+    rows = []
     for name, (found, build_s, search_s, params) in results.items():
-        recalls = [np.mean((found[:, :k] == gold[:, None]).any(axis=1)) for k in KS]
-        agree = np.mean([len(np.intersect1d(a, b)) for a, b in zip(found, exact_found)]) / k_max
         desc = ", ".join(f"{key}={v}" for key, v in params.items() if v is not None)
-        print(f"| {name} | " + " | ".join(f"{r:.4f}" for r in recalls) +
-              f" | {agree:.4f} | {build_s:.2f} | {search_s:.3f} | {desc} |")
-
-
-if __name__ == "__main__":
-    main()
+        rows.append([name, *(hit_at_k(found, gold, k) for k in KS), recall_at_k(found, exact_found, k_max),
+                     build_s, search_s, desc])
+    print(table(["method", *(f"recall@{k}" for k in KS), "agree@20 vs exact", "build s", "search s", "params"], rows,
+                floatfmt=(".4f",) * (len(KS) + 2) + (".2f", ".3f")))
+    return 0

@@ -1,4 +1,6 @@
-"""Train a model: ``python -m train.train --config train/configs/tiny.yaml [key=value ...]``.
+"""``rag-jax train``: train a model with the one trainer (``rag_jax.train.trainer.run``) from a YAML preset.
+
+    rag-jax train --config train/configs/tiny.yaml [key=value ...]     # = python -m train.train ...
 
 Multi-host: every process runs the same command; the coordinator comes from the environment
 (RAG_JAX_COORDINATOR / RAG_JAX_NUM_PROCESSES / RAG_JAX_PROCESS_ID, see rag_jax.distributed) or is
@@ -13,8 +15,20 @@ import sys
 from rag_jax import distributed
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    """Train; 0 when done, 2 (one-line ``error: ...`` on stderr) for a bad config or missing input."""
+    try:
+        train(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def train(argv: list[str] | None = None):
+    """Parse ``argv``, train, print the final losses; returns the ``TrainResult``."""
+    parser = argparse.ArgumentParser(prog="rag-jax train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML preset (train/configs/*.yaml)")
     parser.add_argument("--auto_distributed", action="store_true",
                         help="call jax.distributed.initialize() with no arguments (Cloud TPU pods, SLURM)")
@@ -39,8 +53,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())
