@@ -15,28 +15,24 @@ RAG baseline with the same text first (doc modes vs ``rag_doc_first``, query mod
 ``rag_query_first``); the paper's CPU figure at 4000 tokens is -63% for Doc Caching (14.18 s -> 5.25 s).
 Weights are random (latency does not depend on them); text is random words.
 
-    python bench/grit_caching.py                               # 500,1000,2000,4000 tokens, cpu-small model
-    python bench/grit_caching.py --sizes 500,1000 --repeats 3  # quicker
-    python bench/grit_caching.py --preset llama3.2-1b --dtype bfloat16   # larger model (GPU)
+    rag-jax bench grit_caching                               # 500,1000,2000,4000 tokens, cpu-small model
+    rag-jax bench grit_caching --sizes 500,1000 --repeats 3  # quicker
+    rag-jax bench grit_caching --preset llama3.2-1b --dtype bfloat16   # larger model (GPU)
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rag_jax.data.tokenizer import train_bpe  # noqa: E402
-from rag_jax.inference.grit_cache import GritCache  # noqa: E402
-from rag_jax.inference.kv_store import KVStore  # noqa: E402
-from rag_jax.model import ModelConfig, Transformer  # noqa: E402
+from rag_jax.data.tokenizer import train_bpe
+from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import median_ms
+from rag_jax.inference.grit_cache import GritCache
+from rag_jax.inference.kv_store import KVStore
+from rag_jax.model import ModelConfig, Transformer
 
 MODES = ("rag_doc_first", "doc", "doc_query", "rag_query_first", "query", "query_doc")
 BASELINE = {"doc": "rag_doc_first", "doc_query": "rag_doc_first", "query": "rag_query_first",
@@ -59,18 +55,9 @@ def make_text(tokenizer, rng, words, n_tokens: int) -> str:
     return " ".join(pieces[:lo])
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm: compile and fill the store
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax bench grit_caching", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="500,1000,2000,4000", help="long-text lengths in tokens")
     p.add_argument("--sample", choices=("A", "B"), default="A", help="A: long doc, short query; B: the reverse")
     p.add_argument("--short_len", type=int, default=8, help="tokens of the short text")
@@ -83,9 +70,9 @@ def main(argv=None):
     sizes = [int(s) for s in args.sizes.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
     if any(m not in MODES for m in modes):
-        raise ValueError(f"--modes={args.modes!r}; valid entries: {MODES}")
+        p.error(f"--modes={args.modes!r}; valid entries: {MODES}")
     if min(sizes) < 1 or args.repeats < 1 or args.new_tokens < 1:
-        raise ValueError("--sizes, --repeats and --new_tokens must be positive")
+        p.error("--sizes, --repeats and --new_tokens must be positive")
 
     rng = np.random.default_rng(0)
     words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(3, 9))) for _ in range(2000)]
@@ -106,20 +93,15 @@ def main(argv=None):
     for n in sizes:
         long = make_text(tokenizer, rng, words, n)
         query, doc = (short, long) if args.sample == "A" else (long, short)
+        # one warm-up run per mode: compile and fill the store
         times = {m: median_ms(lambda m=m: gc.generate(m, query, doc, max_new_tokens=args.new_tokens), args.repeats)
                  for m in modes}
         rows.append((n, times))
         print(f"  {n} tokens: " + ", ".join(f"{m} {t:.0f} ms" for m, t in times.items()), flush=True)
 
     compared = [m for m in modes if m in BASELINE and BASELINE[m] in modes]
-    print("\n| long text (tokens) | " + " | ".join(f"{m} (ms)" for m in modes) + " | "
-          + " | ".join(f"{m} change" for m in compared) + " |")
-    print("|---:|" + "---:|" * (len(modes) + len(compared)))
-    for n, t in rows:
-        changes = [f"{100 * (t[m] / t[BASELINE[m]] - 1):+.0f}%" for m in compared]
-        print(f"| {n} | " + " | ".join(f"{t[m]:.0f}" for m in modes) + " | " + " | ".join(changes) + " |")
-    return rows
-
-
-if __name__ == "__main__":
-    main()
+    print("\n" + table(["long text (tokens)", *(f"{m} (ms)" for m in modes), *(f"{m} change %" for m in compared)],
+                       [[n, *(t[m] for m in modes), *(100 * (t[m] / t[BASELINE[m]] - 1) for m in compared)]
+                        for n, t in rows],
+                       floatfmt=("",) + (".0f",) * len(modes) + ("+.0f",) * len(compared)))
+    return 0

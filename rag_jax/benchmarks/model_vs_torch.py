@@ -4,62 +4,38 @@ Both run float32 on this machine's CPU (or jax's default backend) with the same 
 (LlamaForCausalLM), random tokens, full rows, next-token loss and AdamW. Prints medians (tokens/s) and the
 ratio rag-jax / torch, both measured in this run.
 
-    python bench/model_vs_torch.py                       # hidden 256, 4 layers, seq 512, batch 8
-    python bench/model_vs_torch.py --hidden 512 --layers 8 --seq 1024 --iters 10
+    rag-jax bench model_vs_torch                       # hidden 256, 4 layers, seq 512, batch 8
+    rag-jax bench model_vs_torch --hidden 512 --layers 8 --seq 1024 --iters 10
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import numpy as np
 import optax
 import torch
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rag_jax import sharding
-from rag_jax.model import ModelConfig
-from rag_jax.train import step as step_lib
-from rag_jax.train.objectives import LMLoss
+from rag_jax.benchmarks.train_bench import lm_rows, train_step_seconds
+from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import median_ms
+from rag_jax.model import ModelConfig, Transformer
 
 
 def _median_seconds(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_ms(fn, iters, warmup=warmup) / 1e3
 
 
 def bench_jax(cfg: ModelConfig, tokens: np.ndarray, lr: float, warmup: int, iters: int) -> tuple[float, float]:
-    batch, seq = tokens.shape
     mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
-    tx = optax.adamw(lr)
-    graphdef, state, shardings = step_lib.init_train_state(cfg, tx, mesh, seed=0)
-    rep = NamedSharding(mesh, P())
-    data = {"tokens": jax.device_put(tokens, rep),
-            "positions": jax.device_put(np.tile(np.arange(seq, dtype=np.int32), (batch, 1)), rep),
-            "segment_ids": jax.device_put(np.ones((batch, seq), np.int32), rep)}
-
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    data = lm_rows(tokens, mesh)
     forward = jax.jit(lambda params, d: nnx.merge(graphdef, params)(
         d["tokens"], d["positions"], d["segment_ids"], mode="causal").logits)
-    fwd_s = _median_seconds(lambda: forward(state.params, data).block_until_ready(), warmup, iters)
-
-    train_step = step_lib.make_train_step(graphdef, tx, LMLoss("causal"), shardings, mesh)
-    holder = {"state": state}
-
-    def one_step():
-        holder["state"], metrics = train_step(holder["state"], data)
-        jax.block_until_ready(metrics["loss"])
-
-    step_s = _median_seconds(one_step, warmup, iters)
-    return fwd_s, step_s
+    fwd_s = _median_seconds(lambda: forward(params, data).block_until_ready(), warmup, iters)
+    return fwd_s, train_step_seconds(cfg, optax.adamw(lr), mesh, tokens, iters, warmup)
 
 
 def bench_torch(cfg: ModelConfig, tokens: np.ndarray, lr: float, warmup: int, iters: int) -> tuple[float, float]:
@@ -94,8 +70,9 @@ def bench_torch(cfg: ModelConfig, tokens: np.ndarray, lr: float, warmup: int, it
     return fwd_s, step_s
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax bench model_vs_torch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--layers", type=int, default=4)
@@ -121,11 +98,8 @@ def main(argv: list[str] | None = None) -> None:
           f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, fp32; jax {jax.__version__} on "
           f"{jax.devices()[0].device_kind}, torch {torch.__version__} ({torch.get_num_threads()} threads); "
           f"median of {args.iters}")
-    print(f"| {'measure':<22} | {'rag-jax tok/s':>14} | {'torch tok/s':>12} | {'jax/torch':>9} |")
-    print(f"|{'-' * 24}|{'-' * 16}|{'-' * 14}|{'-' * 11}|")
-    for name, j, t in (("forward", jax_fwd, torch_fwd), ("train step (AdamW)", jax_step, torch_step)):
-        print(f"| {name:<22} | {n_tokens / j:>14,.0f} | {n_tokens / t:>12,.0f} | {t / j:>9.2f} |")
-
-
-if __name__ == "__main__":
-    main()
+    print(table(["measure", "rag-jax tok/s", "torch tok/s", "jax/torch"],
+                [[name, n_tokens / j, n_tokens / t, t / j]
+                 for name, j, t in (("forward", jax_fwd, torch_fwd), ("train step (AdamW)", jax_step, torch_step))],
+                floatfmt=("", ",.0f", ",.0f", ".2f")))
+    return 0

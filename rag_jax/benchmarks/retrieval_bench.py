@@ -16,28 +16,22 @@ QPS = queries / median search time over ``--repeats`` runs (all queries in one b
 wrapper runs interleaved).
 ``wrapper/raw`` compares our wrapper's QPS with raw ScaNN at the same parameters.
 
-Example: ``python bench/retrieval_bench.py --sizes 100000 1000000`` (the issue's sizes; the default
+Example: ``rag-jax bench retrieval_bench --sizes 100000 1000000`` (the issue's sizes; the default
 is small so it finishes in about a minute).
 """
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rag_jax.retrieval.exact import ExactIndex  # noqa: E402
-from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex  # noqa: E402
-
-NQ_ORACLE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "lost_in_the_middle" / \
-    "nq-open-oracle.jsonl.gz"
+from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, shared_file
+from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import StageTimer, median_ms
+from rag_jax.metrics import recall_at_k
+from rag_jax.retrieval.exact import ExactIndex
+from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
 
 
 def _unit(a: np.ndarray) -> np.ndarray:
@@ -62,24 +56,18 @@ def clustered(n: int, num_queries: int, dim: int, clusters: int, std: float, see
 def minilm_nq(num_queries: int):
     """-> (passage embeddings [2655, 384], question embeddings [num_queries, 384]) with BertEmbedder."""
     from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
-    if not NQ_ORACLE.is_file():
-        raise SystemExit(f"--minilm needs {NQ_ORACLE}, which is absent")
-    with gzip.open(NQ_ORACLE, "rt") as f:
-        rows = [json.loads(line) for line in f]
+    examples = load_nq_oracle(shared_file(*NQ_ORACLE))
     emb = BertEmbedder()
-    db = embed_texts(emb, [f"{r['ctxs'][0]['title']}\n{r['ctxs'][0]['text']}" for r in rows], desc="passages")
-    qs = embed_texts(emb, [r["question"] for r in rows[:num_queries]], desc="questions")
+    db = embed_texts(emb, [f"{ex.gold.title}\n{ex.gold.text}" for ex in examples], desc="passages")
+    qs = embed_texts(emb, [ex.question for ex in examples[:num_queries]], desc="questions")
     return db, qs
 
 
 def timed(fn, repeats: int):
-    """-> (result of the last call, median seconds)."""
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return out, float(np.median(times))
+    """-> (result of the last call, median seconds over ``repeats`` calls; ``rag_jax.evaluation.timing``)."""
+    out = []
+    seconds = median_ms(lambda: out.append(fn()), repeats, warmup=0) / 1e3
+    return out[-1], seconds
 
 
 def exact_numpy(db, queries, k):
@@ -103,8 +91,8 @@ def raw_scann(db, k, params, cfg: ScannConfig):
 
 
 def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
-    k = truth.shape[1]
-    return float(np.mean([len(np.intersect1d(a, b)) for a, b in zip(found[:, :k], truth)]) / k)
+    """recall@k of ``found`` against the exact neighbours ``truth`` [q, k] (``rag_jax.metrics.recall_at_k``)."""
+    return recall_at_k(found, truth, truth.shape[1])
 
 
 def bench(name: str, db: np.ndarray, queries: np.ndarray, args) -> list[dict]:
@@ -114,11 +102,12 @@ def bench(name: str, db: np.ndarray, queries: np.ndarray, args) -> list[dict]:
     truth, t_np = timed(lambda: exact_numpy(db, queries, k), args.repeats)
     rows.append({"method": "exact numpy", "build_s": 0.0, "search_s": t_np, "recall": 1.0})
 
-    start = time.perf_counter()
+    timer = StageTimer()
     ex = ExactIndex(db.shape[1])
     ex.add(db, ids)
     ex.search(queries[:1], k)  # device copy
-    build = time.perf_counter() - start
+    timer.stage("build")
+    build = timer.wall["build"]
     ex.search(queries, k)  # compile for this batch size
     (_, found), t = timed(lambda: ex.search(queries, k), args.repeats)
     rows.append({"method": "exact jax", "build_s": build, "search_s": t, "recall": recall_at(found, truth)})
@@ -126,15 +115,16 @@ def bench(name: str, db: np.ndarray, queries: np.ndarray, args) -> list[dict]:
     for label, cfg in (("auto", ScannConfig(num_neighbors=k)),
                        (f"target_recall={args.target_recall}", ScannConfig(num_neighbors=k,
                                                                          target_recall=args.target_recall))):
-        start = time.perf_counter()
+        timer.stage("idle")
         ours = ScannIndex(db.shape[1], cfg)
         ours.add(db, ids)
         ours.build()
-        build = time.perf_counter() - start
+        timer.stage("build")
+        build = timer.wall["build"]
         params = ours.params
-        start = time.perf_counter()
         raw = raw_scann(db, k, params, cfg)
-        raw_build = time.perf_counter() - start
+        timer.stage("raw build")
+        raw_build = timer.wall["raw build"]
         pre = max(params["reorder"], k) if params["reorder"] is not None else None
 
         def raw_search():
@@ -164,17 +154,15 @@ def bench(name: str, db: np.ndarray, queries: np.ndarray, args) -> list[dict]:
 
 
 def print_table(rows: list[dict], k: int) -> None:
-    head = (f"| data | method | build s | QPS | x exact numpy | recall@{k} | wrapper/raw QPS | params |\n"
-            "|---|---|---:|---:|---:|---:|---:|---|")
-    print(head)
-    for r in rows:
-        ratio = f"{r['raw_s'] / r['search_s']:.3f}" if "raw_s" in r else ""
-        print(f"| {r['data']} | {r['method']} | {r['build_s']:.2f} | {r['qps']:.0f} | {r['speedup']:.1f} | "
-              f"{r['recall']:.4f} | {ratio} | {r.get('params', '')} |")
+    print(table(["data", "method", "build s", "QPS", "x exact numpy", f"recall@{k}", "wrapper/raw QPS", "params"],
+                [[r["data"], r["method"], r["build_s"], r["qps"], r["speedup"], r["recall"],
+                  r["raw_s"] / r["search_s"] if "raw_s" in r else "", r.get("params", "")] for r in rows],
+                floatfmt=("", "", ".2f", ".0f", ".1f", ".4f", ".3f")))
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax bench retrieval_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[20_000], help="database sizes (vectors)")
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--clusters", type=int, default=None, help="Gaussian clusters (default n/500, e.g. 2000 at 1M)")
@@ -196,7 +184,4 @@ def main(argv=None) -> None:
         db, queries = minilm_nq(args.queries)
         rows += bench(f"MiniLM NQ passages {len(db):,}", db, queries, args)
     print_table(rows, args.k)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -6,21 +6,21 @@ jitted, sharded step (AdamW, clipping) over all local devices (FSDP). MFU = mode
 ``--peak_flops`` per device, else the data-sheet value for TPUs/GPUs, else (CPU) a dense matmul of the
 same dtype measured in this run. Rows are medians; the ratio column is against remat "none" in this run.
 
-    python bench/train_bench.py                                   # cpu-small, seq 512, batch 8, fp32
-    python bench/train_bench.py --preset llama3.2-1b --seq 4096 --batch 4 --precision bf16 \
-        --remat none dots full                                    # the H200 MFU measurement
+    rag-jax bench train_bench                                   # cpu-small, seq 512, batch 8, fp32
+    rag-jax bench train_bench --preset llama3.2-1b --seq 4096 --batch 4 --precision bf16 \
+        --remat none dots full                                  # the H200 MFU measurement
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rag_jax import sharding
+from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import median_ms
 from rag_jax.model import ModelConfig
 from rag_jax.train import metrics as metrics_lib
 from rag_jax.train import optim, step as step_lib
@@ -31,37 +31,40 @@ def measured_matmul_flops(dtype: str, n: int = 2048, iters: int = 5) -> float:
     """FLOP/s of an n x n matmul on one device (the CPU 'peak' for MFU)."""
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times)
+    return 2 * n**3 / (median_ms(lambda: f(a).block_until_ready(), iters) / 1e3)
+
+
+def lm_rows(tokens: np.ndarray, mesh) -> dict[str, jax.Array]:
+    """Full causal-LM rows (one document each) for ``tokens`` int32 [batch, seq], batch over the mesh."""
+    batch, seq = tokens.shape
+    put = lambda x: jax.device_put(x, sharding.batch_sharding(mesh))  # noqa: E731
+    return {"tokens": put(tokens), "positions": put(np.tile(np.arange(seq, dtype=np.int32), (batch, 1))),
+            "segment_ids": put(np.ones((batch, seq), np.int32))}
+
+
+def train_step_seconds(cfg: ModelConfig, tx, mesh, tokens: np.ndarray, steps: int, warmup: int,
+                       remat: str = "none") -> float:
+    """Median seconds per train step (causal LM loss, ``rag_jax.train.step``) on :func:`lm_rows` of ``tokens``."""
+    graphdef, state, shardings = step_lib.init_train_state(cfg, tx, mesh, remat_policy=remat)
+    train_step = step_lib.make_train_step(graphdef, tx, LMLoss("causal"), shardings, mesh)
+    data, holder = lm_rows(tokens, mesh), {"state": state}
+
+    def one_step():
+        holder["state"], metrics = train_step(holder["state"], data)
+        jax.block_until_ready(metrics["loss"])
+    return median_ms(one_step, steps, warmup=warmup) / 1e3
 
 
 def bench(cfg: ModelConfig, seq: int, batch: int, remat: str, steps: int, warmup: int, mesh) -> float:
-    """Median seconds per train step."""
+    """Median seconds per train step (AdamW + clipping, random tokens)."""
     tx = optim.make_optimizer(optim.OptimizerConfig(warmup_steps=0), 1000)
-    graphdef, state, shardings = step_lib.init_train_state(cfg, tx, mesh, remat_policy=remat)
-    train_step = step_lib.make_train_step(graphdef, tx, LMLoss("causal"), shardings, mesh)
-    rng = np.random.default_rng(0)
-    to_global = lambda x: jax.device_put(x, sharding.batch_sharding(mesh))
-    data = {"tokens": to_global(rng.integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)),
-            "positions": to_global(np.tile(np.arange(seq, dtype=np.int32), (batch, 1))),
-            "segment_ids": to_global(np.ones((batch, seq), np.int32))}
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        state, metrics = train_step(state, data)
-        jax.block_until_ready(metrics["loss"])
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
+    return train_step_seconds(cfg, tx, mesh, tokens, steps, warmup, remat)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax bench train_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu-small", help="model preset (tiny, cpu-small, llama3.2-1b, llama3-8b)")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=8, help="global batch (rows)")
@@ -86,16 +89,13 @@ def main(argv: list[str] | None = None) -> None:
           f"batch {args.batch}, {args.precision}; {mesh.size} x {device.device_kind}; "
           f"{flops_per_token / 1e9:.3f} GFLOP/token; peak {peak / 1e12:.2f} TFLOP/s/device ({peak_note}); "
           f"median of {args.steps} steps")
-    print(f"| {'remat':<6} | {'step ms':>9} | {'tokens/s':>12} | {'MFU':>7} | {'vs none':>7} |")
-    print(f"|{'-' * 8}|{'-' * 11}|{'-' * 14}|{'-' * 9}|{'-' * 9}|")
-    base = None
+    rows, base = [], None
     for remat in args.remat:
         seconds = bench(cfg, args.seq, args.batch, remat, args.steps, args.warmup, mesh)
         tok_s = n_tokens / seconds
         base = base or tok_s
         mfu = metrics_lib.mfu(tok_s, flops_per_token, mesh.size, peak)
-        print(f"| {remat:<6} | {1e3 * seconds:>9.1f} | {tok_s:>12,.0f} | {100 * mfu:>6.1f}% | {tok_s / base:>7.2f} |")
-
-
-if __name__ == "__main__":
-    main()
+        rows.append([remat, 1e3 * seconds, tok_s, 100 * mfu, tok_s / base])
+    print(table(["remat", "step ms", "tokens/s", "MFU %", f"vs {args.remat[0]}"], rows,
+                floatfmt=("", ".1f", ",.0f", ".1f", ".2f")))
+    return 0

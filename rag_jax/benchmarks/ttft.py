@@ -16,17 +16,19 @@ re-encoded caches. For each total prompt length the script times, in one process
 (``rag_jax.train.metrics.matmul_params``, LM head for one row) plus 4·layers·heads·head_dim per
 attended (query, key) pair. ``% bound`` = measured speedup / FLOP bound.
 
-    python bench/ttft.py                                  # small default (1K, 2K), ~1 min on 2 CPU cores
-    python bench/ttft.py --sizes 2048,4096,8192,16384     # the issue's sizes
-    python bench/ttft.py --sizes 2048,4096,8192 --threads 1 --clock cpu   # on a shared, busy machine
-    python bench/ttft.py --preset llama3.2-1b --dtype bfloat16 --sizes 32768 --no_hf   # one H200
+    rag-jax bench ttft                                  # small default (1K, 2K), ~1 min on 2 CPU cores
+    rag-jax bench ttft --sizes 2048,4096,8192,16384     # the issue's sizes
+    rag-jax bench ttft --sizes 2048,4096,8192 --threads 1 --clock cpu   # on a shared, busy machine
+    rag-jax bench ttft --preset llama3.2-1b --dtype bfloat16 --sizes 32768 --no_hf   # one H200
+
+Each measurement runs in its own loop (steady state, as a server answering requests of one kind):
+interleaving a full prefill, which touches gigabytes, between block prefills slowed the latter by ~1.6x at
+4K tokens through memory effects, which is not what a request sees in steady state.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,12 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rag_jax.inference.block_attention import BlockAttention  # noqa: E402
-from rag_jax.inference.kv_store import KVStore  # noqa: E402
-from rag_jax.model import ModelConfig, Transformer  # noqa: E402
-from rag_jax.train.metrics import matmul_params  # noqa: E402
+from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import median_ms
+from rag_jax.inference.block_attention import BlockAttention
+from rag_jax.inference.kv_store import KVStore
+from rag_jax.model import ModelConfig, Transformer
+from rag_jax.train.metrics import matmul_params
 
 
 def prefill_flops(cfg: ModelConfig, q_len: int, context: int) -> float:
@@ -50,25 +52,6 @@ def prefill_flops(cfg: ModelConfig, q_len: int, context: int) -> float:
     dense = 2.0 * (matmul_params(cfg) - head) * q_len + 2.0 * head
     pairs = q_len * context + q_len * (q_len + 1) / 2
     return dense + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
-
-
-def median_ms(fns: dict, repeats: int, clock=time.perf_counter) -> dict[str, float]:
-    """Median time (ms) of each function over ``repeats`` consecutive calls after one warm-up call.
-
-    Each function runs in its own loop (steady state, as a server answering requests of one kind):
-    interleaving a full prefill, which touches gigabytes, between block prefills slowed the latter
-    by ~1.6x at 4K tokens through memory effects, which is not what a request sees in steady state.
-    """
-    out = {}
-    for name, fn in fns.items():
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = clock()
-            fn()
-            times.append((clock() - t0) * 1e3)
-        out[name] = statistics.median(times)
-    return out
 
 
 def make_blocks(rng: np.random.Generator, total: int, last_len: int, block_len: int, vocab: int) -> list[list[int]]:
@@ -110,8 +93,9 @@ def hf_functions(hf, blocks: list[list[int]]) -> dict:
     return {"hf_full": full, "hf_prefix": cached}
 
 
-def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax bench ttft", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1024,2048", help="total prompt lengths in tokens, comma-separated")
     p.add_argument("--last_len", type=int, default=50, help="tokens in the last block (instruction + question)")
     p.add_argument("--block_len", type=int, default=256, help="tokens per cached passage block")
@@ -143,7 +127,7 @@ def main(argv=None) -> list[dict]:
                                    f"intra_op_parallelism_threads={args.threads}").strip()
     sizes = [int(s) for s in args.sizes.split(",")]
     if min(sizes) <= args.last_len:
-        raise SystemExit(f"error: every size must exceed --last_len={args.last_len}; got {sizes}")
+        p.error(f"every size must exceed --last_len={args.last_len}; got {sizes}")
     dims = dict(dtype=args.dtype, param_dtype=args.dtype, max_seq_len=max(sizes))
     if args.preset:
         cfg = ModelConfig.preset(args.preset, **dims)
@@ -157,7 +141,7 @@ def main(argv=None) -> list[dict]:
     hf = None
     if not args.no_hf:
         if args.dtype != "float32":
-            raise SystemExit("error: the HF baseline runs in float32 on CPU; pass --dtype float32 or --no_hf")
+            p.error("the HF baseline runs in float32 on CPU; pass --dtype float32 or --no_hf")
         hf = hf_model(model)
         if args.threads:
             import torch
@@ -180,7 +164,7 @@ def main(argv=None) -> list[dict]:
         fns = {"block": lambda: run("block"), "full": lambda: run("full")}
         if hf is not None:
             fns.update(hf_functions(hf, blocks))
-        ms = median_ms(fns, args.repeats, clock)
+        ms = {name: median_ms(fn, args.repeats, clock=clock) for name, fn in fns.items()}
         assert store.stats["hits"] - hits == (args.repeats + 1) * (len(blocks) - 1), "caches were not warm"
         bound = prefill_flops(cfg, total, 0) / prefill_flops(cfg, args.last_len, total - args.last_len)
         row = dict(total=total, blocks=len(blocks), full_ms=ms["full"], block_ms=ms["block"],
@@ -190,24 +174,21 @@ def main(argv=None) -> list[dict]:
                        hf_speedup=ms["hf_full"] / ms["hf_prefix"], same_first_token=fns["hf_full"]() == run("full"))
         rows.append(row)
         store.clear()
-        print_table(rows[-1:], header=len(rows) == 1)
-    return rows
+        print(f"  {total} tokens: full {row['full_ms']:.1f} ms, block {row['block_ms']:.1f} ms", flush=True)
+    print_table(rows)
+    return 0
 
 
-def print_table(rows: list[dict], header: bool = True) -> None:
+def print_table(rows: list[dict]) -> None:
     cols = ["total", "blocks", "full ms", "block ms", "speedup", "FLOP bound", "% bound"]
     hf_cols = ["hf full ms", "hf prefix ms", "hf speedup", "block/hf prefix"]
     has_hf = "hf_full_ms" in rows[0]
-    if header:
-        print(" | ".join(cols + (hf_cols if has_hf else [])))
+    out = []
     for r in rows:
-        cells = [f"{r['total']}", f"{r['blocks']}", f"{r['full_ms']:.1f}", f"{r['block_ms']:.1f}",
-                 f"{r['speedup']:.1f}x", f"{r['bound']:.1f}x", f"{100 * r['speedup'] / r['bound']:.0f}%"]
+        cells = [r["total"], r["blocks"], r["full_ms"], r["block_ms"], f"{r['speedup']:.1f}x", f"{r['bound']:.1f}x",
+                 f"{100 * r['speedup'] / r['bound']:.0f}%"]
         if has_hf:
-            cells += [f"{r['hf_full_ms']:.1f}", f"{r['hf_prefix_ms']:.1f}", f"{r['hf_speedup']:.1f}x",
+            cells += [r["hf_full_ms"], r["hf_prefix_ms"], f"{r['hf_speedup']:.1f}x",
                       f"{r['hf_prefix_ms'] / r['block_ms']:.2f}x" + ("" if r["same_first_token"] else " (1st token!=)")]
-        print(" | ".join(cells), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        out.append(cells)
+    print(table(cols + (hf_cols if has_hf else []), out, floatfmt=".1f"))
