@@ -1,12 +1,28 @@
-"""``rag-jax`` command line: ``rag-jax smoke`` (tiny end-to-end check) and the main jobs.
+"""``rag-jax`` command line: the main jobs, evaluations and benchmarks (``python -m rag_jax`` is the same).
+
+    rag-jax train --config train/configs/tiny.yaml [key=value ...]   train a model (rag_jax.train.cli)
+    rag-jax demo [key=value ...]                                     the end-to-end demo (rag_jax.demo)
+    rag-jax eval NAME [args]                                         an evaluation (rag_jax.evaluation.NAME)
+    rag-jax bench NAME [args]                                        a benchmark (rag_jax.benchmarks.NAME)
+    rag-jax index CONFIG.yaml [key=value ...]                        build a retrieval index (rag_jax.retrieval.cli)
+    rag-jax search OUTPUT_DIR "question" [...]                       query it
+    rag-jax smoke                                                    a tiny end-to-end check
 
 Errors in user input print one line (``rag-jax: error: ...``) and exit with status 2.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
+
+EVALS = ("block_quality", "grit_eval", "passkey", "rag_qa", "retrieval_nq", "retrieval_recall")
+BENCHES = ("em_llm_bench", "grit_caching", "model_vs_torch", "retrieval_bench", "train_bench", "ttft")
+SCRIPTS = {"eval": ("rag_jax.evaluation", EVALS), "bench": ("rag_jax.benchmarks", BENCHES)}
+# Verbs whose arguments belong to another module's parser: (module, leading arguments).
+DISPATCH = {"train": ("rag_jax.train.cli", []), "index": ("rag_jax.retrieval.cli", ["build"]),
+            "search": ("rag_jax.retrieval.cli", ["query"])}
 
 
 def _smoke(args) -> int:
@@ -38,9 +54,33 @@ def _demo(args) -> int:
     return run_cli(args)
 
 
+def _script(verb: str, name: str, argv: list[str]) -> int:
+    """``rag-jax eval|bench NAME args``: ``main(args)`` of that module."""
+    package, names = SCRIPTS[verb]
+    if name not in names:
+        print(f"rag-jax: error: unknown {verb} {name!r}; valid: {', '.join(names)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(f"{package}.{name}").main(argv) or 0
+
+
+def _dispatch(verb: str, argv: list[str]) -> int:
+    module, lead = DISPATCH[verb]
+    return importlib.import_module(module).main(lead + argv) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rag-jax", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="rag-jax", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="command", required=True)
+    for verb, (module, _) in DISPATCH.items():
+        sub.add_parser(verb, help=f"see rag-jax {verb} --help ({module})", add_help=False)
+    for verb, (package, names) in SCRIPTS.items():
+        p = sub.add_parser(verb, help=f"run {package}.NAME: {', '.join(names)}",
+                           description=f"rag-jax {verb} NAME [args]: run {package}.NAME. NAME is one of: "
+                           f"{', '.join(names)}. 'rag-jax {verb} NAME --help' shows its arguments.")
+        p.add_argument("name", metavar="NAME", help=", ".join(names))
+        p.set_defaults(func=lambda args, verb=verb: _script(verb, args.name, []))
     smoke = sub.add_parser("smoke", help="generate data, train a tokenizer, build a tiny model, generate tokens")
     smoke.add_argument("--people", type=int, default=50)
     smoke.add_argument("--vocab-size", type=int, default=600)
@@ -64,9 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv and argv[0] in DISPATCH:
+            return _dispatch(argv[0], argv[1:])
+        if len(argv) > 1 and argv[0] in SCRIPTS and not argv[1].startswith("-"):
+            return _script(argv[0], argv[1], argv[2:])
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         print(f"rag-jax: error: {e}", file=sys.stderr)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.data.tokenizer import load_tokenizer, train_bpe
+from rag_jax.data.tokenizer import byte_tokenizer, load_tokenizer, save_tokenizer, train_bpe
 from rag_jax.inference.generate import generate
 from rag_jax.model import ModelConfig, Transformer
 
@@ -71,3 +71,14 @@ def test_train_bpe_roundtrip(tmp_path):
     assert len(tok.encode(texts[0]).ids) < len(texts[0]) / 2  # merges were learned
     with pytest.raises(ValueError, match="vocab_size=100 is too small"):
         train_bpe(texts, vocab_size=100)
+
+
+def test_byte_tokenizer_ids_are_utf8_bytes(tmp_path):
+    """``byte_tokenizer`` (byte-level run folders): ids == UTF-8 bytes, decode inverts, survives tokenizer.json."""
+    rng = np.random.default_rng()
+    text = "".join(chr(c) for c in rng.integers(1, 0x2FFF, 300)) + " é\n\t☃ The pass key is:12345."
+    tok = load_tokenizer(save_tokenizer(byte_tokenizer(), tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 256
+    ids = tok.encode(text).ids
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text

@@ -123,19 +123,14 @@ def test_bad_input_errors(tokenizer):
         grit_batches(None, None, tokenizer, cfg)
 
 
-def test_grit_configs_load(monkeypatch):
-    """Every train/configs/grit*.yaml validates into the GRIT run config of eval/grit_eval.py."""
-    import importlib.util
-    import sys
+def test_grit_configs_load():
+    """Every train/configs/grit*.yaml validates into the GRIT run config of ``rag-jax eval grit_eval``."""
     from pathlib import Path
 
     from rag_jax import config as config_lib
+    from rag_jax.evaluation import grit_eval
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("grit_eval", root / "eval" / "grit_eval.py")
-    grit_eval = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "grit_eval", grit_eval)  # dataclasses resolve annotations via sys.modules
-    spec.loader.exec_module(grit_eval)
     paths = sorted((root / "train" / "configs").glob("grit*.yaml"))
     assert len(paths) >= 3
     for path in paths:

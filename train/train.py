@@ -1,46 +1,5 @@
-"""Train a model: ``python -m train.train --config train/configs/tiny.yaml [key=value ...]``.
-
-Multi-host: every process runs the same command; the coordinator comes from the environment
-(RAG_JAX_COORDINATOR / RAG_JAX_NUM_PROCESSES / RAG_JAX_PROCESS_ID, see rag_jax.distributed) or is
-auto-detected on Cloud TPU and SLURM (``--auto_distributed``). See train/launch_*.sh.
-"""
-from __future__ import annotations
-
-import argparse
-import logging
-import sys
-
-from rag_jax import distributed
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="YAML preset (train/configs/*.yaml)")
-    parser.add_argument("--auto_distributed", action="store_true",
-                        help="call jax.distributed.initialize() with no arguments (Cloud TPU pods, SLURM)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100 mesh.fsdp=-1")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "orbax", "jax._src"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-    from rag_jax.train import trainer  # config loading touches no device
-    cfg = trainer.load_run_config(args.config, args.overrides)
-    if args.auto_distributed:
-        import jax
-        jax.distributed.initialize()
-    else:
-        distributed.initialize()
-    result = trainer.run(cfg)
-    evals = result["eval"]
-    print(f"done: step {result['step']} train_loss {result['train_loss']:.4f}"
-          + (f" eval_loss {evals[-1][1]['loss']:.4f}" if evals else ""), flush=True)
-    return result
-
+"""`rag-jax train` / `python -m train.train`: see rag_jax/train/cli.py."""
+from rag_jax.train.cli import main
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    raise SystemExit(main())

@@ -23,7 +23,8 @@ from rag_jax.data.phantom import FactBase, evaluate_query
 
 __all__ = [
     "Article", "Question", "PhantomWikiData", "Passage", "NQExample", "KVExample",
-    "load_phantomwiki", "load_nq_oracle", "load_kv_retrieval", "nq_passage_pool", "shared_data_dir",
+    "load_phantomwiki", "load_nq_oracle", "load_kv_retrieval", "nq_passage_pool", "shared_data_dir", "shared_file",
+    "NQ_ORACLE",
 ]
 
 
@@ -35,6 +36,15 @@ def shared_data_dir() -> Path | None:
     env = os.environ.get("RAG_JAX_SHARED_DATA")
     path = Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "data"
     return path if path.is_dir() else None
+
+
+NQ_ORACLE = ("lost_in_the_middle", "nq-open-oracle.jsonl.gz")  # shared_file(*NQ_ORACLE)
+
+
+def shared_file(*parts: str) -> Path:
+    """``parts`` under :func:`shared_data_dir` (under its default location when absent, so errors name it)."""
+    base = shared_data_dir() or Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    return base.joinpath(*parts)
 
 
 # ---------------------------------------------------------------------------------------------

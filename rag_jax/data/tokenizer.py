@@ -56,3 +56,19 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not path.exists():
         raise FileNotFoundError(f"tokenizer file {path} not found")
     return Tokenizer.from_file(str(path))
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A ``tokenizers`` tokenizer whose token ids are the UTF-8 bytes of the text (vocabulary 256, no merges):
+    the tokenizer.json of byte-level models (``rag-jax eval passkey``), so their run folders are complete.
+
+    Byte ``b`` is the byte-level alphabet symbol of GPT-2's byte-to-unicode table (printable Latin-1 bytes map
+    to themselves, the others to ``chr(256 + i)`` in byte order), which ``pre_tokenizers.ByteLevel`` applies.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    symbol = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    tok = Tokenizer(models.BPE(vocab={symbol[b]: b for b in range(256)}, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok

@@ -122,9 +122,9 @@ def _train(cfg: DemoConfig, model_cfg: ModelConfig, td, tokenizer, mesh, out: Pa
         logging=trainer.LoggingConfig(progress_bar=progress))
     task = trainer.Task(loss_fn, td.batch, name="training (GRIT + Block-Attention)", tokenizer=tokenizer,
                         progress_keys=("rep_accuracy", "gen_accuracy"))
-    return trainer.run(run_cfg, task, init_params=init_params, mesh=mesh,
-                       extra_config={k: config_lib.to_dict(getattr(cfg, k))
-                                     for k in ("universe", "task", "retrieval", "eval")})
+    sections = {k: config_lib.to_dict(getattr(cfg, k)) for k in ("universe", "task", "retrieval", "eval")}
+    sections["grit"] = {"instruction": tc.grit_instruction, "passage_max_len": td.passage_max_len}  # for eval scripts
+    return trainer.run(run_cfg, task, init_params=init_params, mesh=mesh, extra_config=sections)
 
 
 def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir: str | os.PathLike = "runs/demo",

@@ -8,6 +8,8 @@ from typing import Any
 from tabulate import tabulate
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, floatfmt: str = ".3f") -> str:
-    """``rows`` under ``headers`` as a markdown table; floats with ``floatfmt`` (default 3 decimals)."""
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, floatfmt: str | Sequence[str] = ".3f") -> str:
+    """``rows`` under ``headers`` as a markdown table; floats with ``floatfmt`` (default 3 decimals), one format
+    for all columns or one per column (e.g. ``",.0f"`` for thousands separators). Strings that read as numbers
+    are formatted as numbers too."""
     return tabulate([list(r) for r in rows], headers=list(headers), tablefmt="github", floatfmt=floatfmt)
