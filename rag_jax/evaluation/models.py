@@ -96,7 +96,7 @@ def rag_settings(config: dict[str, Any]) -> RagSettings:
     """
     from rag_jax import config as config_lib
     from rag_jax.data.phantom_rag import TaskConfig, UniverseConfig
-    from rag_jax.demo import DemoTrainConfig, RetrievalConfig
+    from rag_jax.demo.config import DemoTrainConfig, RetrievalConfig
 
     sections = {name: config_lib.from_dict(cls, config.get(name) or {}, prefix=f"{name}.")
                 for name, cls in (("universe", UniverseConfig), ("task", TaskConfig), ("retrieval", RetrievalConfig))}
