@@ -29,7 +29,6 @@ import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 from rag_jax import config as config_lib
@@ -39,7 +38,7 @@ from rag_jax.demo.config import (DEFAULT_BASE, DEMO_MODEL, DEMO_OPTIMIZER, DemoC
 from rag_jax.demo.report import format_report, plots
 from rag_jax.model.config import ModelConfig
 
-__all__ = ["DemoConfig", "load_demo_config", "resolve_base", "run", "main", "DEFAULT_BASE", "DEMO_MODEL",
+__all__ = ["DemoConfig", "load_demo_config", "resolve_base", "run", "run_cli", "DEFAULT_BASE", "DEMO_MODEL",
            "DEMO_OPTIMIZER"]
 
 
@@ -301,12 +300,3 @@ def run_cli(args) -> int:
     cfg = load_demo_config(args.config, args.overrides)
     run(cfg, data_path=args.data, out_dir=args.out, progress=not args.no_progress)
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rag_jax.demo ...`` (``rag_jax/demo/__main__.py``) = ``rag-jax demo ...``."""
-    import sys
-
-    from rag_jax.cli import main as cli_main
-    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
-

@@ -1,4 +1,6 @@
-"""``python -m rag_jax.demo ...`` = ``rag-jax demo ...``."""
-from rag_jax.demo import main
+"""``python -m rag_jax.demo ...`` = ``rag-jax demo ...`` (the CLI parses the arguments)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+raise SystemExit(main(["demo", *sys.argv[1:]]))
