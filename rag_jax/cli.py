@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.set_defaults(func=_smoke)
     demo = sub.add_parser(
         "demo", help="the main job: universe -> reader base -> GRIT + Block-Attention fine-tuning -> ScaNN retrieval "
-        "-> answers, TTFT, plots, metrics JSON, checkpoint (rag_jax/demo.py)",
-        description="Train and evaluate a small retrieval-augmented model end to end (see rag_jax/demo.py). "
+        "-> answers, TTFT, plots, metrics JSON, run folder (rag_jax/demo/)",
+        description="Train and evaluate a small retrieval-augmented model end to end (see rag_jax/demo/). "
         "Default: a few minutes on 2 CPU cores.")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                       help="config overrides, e.g. train.steps=400 task.num_passages=3")
