@@ -117,8 +117,8 @@ def eval_nq(args, max_seq_len: int, model, tokenizer) -> tuple[dict, list[dict]]
     from rag_jax.inference.kv_store import KVStore
 
     examples = load_nq_oracle(args.data, limit=args.limit or None)
-    max_len = max_seq_len - args.max_new_tokens
     ba = BlockAttention(model, store=KVStore(max_bytes=1 << 30))
+    max_len = max_seq_len - args.max_new_tokens - 2 * ba.pad_multiple  # the cache and the last block are padded
     closed, oracle = [], []
     for ex in examples:
         last = encode(tokenizer, phantom_rag.question_block(ex.question))
