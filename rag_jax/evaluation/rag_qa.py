@@ -167,14 +167,11 @@ def main(argv=None) -> int:
         p.error("--limit must be >= 0, --max-new-tokens and --batch-size >= 1")
     if not args.data.exists():
         p.error(f"--data {args.data} does not exist")
-    from rag_jax.evaluation.models import load_for_eval, rag_settings
+    from rag_jax.evaluation.models import load_rag_model
     try:
-        loaded = load_for_eval(args.model)
-        settings = rag_settings(loaded.config)
+        loaded, settings = load_rag_model(args.model)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
-    if loaded.tokenizer is None:
-        p.error(f"--model {args.model} has no tokenizer.json")
     args.retriever = args.retriever or settings.retrieval.retriever
     timer = StageTimer()
     if args.data.is_dir():
