@@ -2,14 +2,12 @@
 
 Budget: embedding all 2,655 passages at 256 tokens takes minutes on 2 CPU cores, so the test embeds
 the gold passages of the first NUM_QUESTIONS questions, truncated to MAX_TOKENS tokens (their
-title and opening), and their questions; eval/retrieval_nq.py runs the full set.
+title and opening), and their questions; ``rag-jax eval retrieval_nq`` runs the full set.
 """
-import gzip
-import json
-
 import numpy as np
 import pytest
 
+from rag_jax.data.loaders import load_nq_oracle, nq_passage_pool
 from rag_jax.retrieval.embedders import BertEmbedder
 from rag_jax.retrieval.exact import ExactIndex
 from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
@@ -22,14 +20,11 @@ def nq_embeddings(shared_data):
     path = shared_data / "lost_in_the_middle" / "nq-open-oracle.jsonl.gz"
     if not path.is_file():
         pytest.skip(f"{path} is absent (NQ oracle file of the shared data folder)")
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for _, line in zip(range(NUM_QUESTIONS), f)]
-    pool, gold = {}, []
-    for r in rows:
-        ctx = r["ctxs"][0]
-        gold.append(pool.setdefault(f"{ctx['title']}\n{ctx['text']}", len(pool)))
+    examples = load_nq_oracle(path, limit=NUM_QUESTIONS)
+    pool, gold = nq_passage_pool(examples)
     emb = BertEmbedder(max_length=MAX_TOKENS, batch_size=64)
-    return emb.embed(list(pool)), emb.embed([r["question"] for r in rows]), np.asarray(gold)
+    return (emb.embed([f"{p.title}\n{p.text}" for p in pool]), emb.embed([ex.question for ex in examples]),
+            np.asarray(gold))
 
 
 def _recall(found, truth):

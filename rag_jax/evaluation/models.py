@@ -103,3 +103,17 @@ def rag_settings(config: dict[str, Any]) -> RagSettings:
     grit = config.get("grit") or {}
     return RagSettings(**sections, grit_instruction=grit.get("instruction", DemoTrainConfig.grit_instruction),
                        passage_max_len=int(grit.get("passage_max_len") or 256))
+
+
+def load_rag_model(path: str | os.PathLike) -> tuple[EvalModel, RagSettings]:
+    """:func:`load_for_eval` and :func:`rag_settings` for the PhantomWiki RAG evaluations (``rag_qa``,
+    ``retrieval_recall``), which need the tokenizer.
+
+    Raises:
+      FileNotFoundError / ValueError: as :func:`load_for_eval` and :func:`rag_settings`; a model without
+        ``tokenizer.json``.
+    """
+    loaded = load_for_eval(path)
+    if loaded.tokenizer is None:
+        raise FileNotFoundError(f"--model {path} has no tokenizer.json (the RAG prompts are text)")
+    return loaded, rag_settings(loaded.config)

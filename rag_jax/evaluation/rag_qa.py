@@ -117,8 +117,8 @@ def eval_nq(args, max_seq_len: int, model, tokenizer) -> tuple[dict, list[dict]]
     from rag_jax.inference.kv_store import KVStore
 
     examples = load_nq_oracle(args.data, limit=args.limit or None)
-    max_len = max_seq_len - args.max_new_tokens
     ba = BlockAttention(model, store=KVStore(max_bytes=1 << 30))
+    max_len = max_seq_len - args.max_new_tokens - 2 * ba.pad_multiple  # the cache and the last block are padded
     closed, oracle = [], []
     for ex in examples:
         last = encode(tokenizer, phantom_rag.question_block(ex.question))
@@ -167,14 +167,11 @@ def main(argv=None) -> int:
         p.error("--limit must be >= 0, --max-new-tokens and --batch-size >= 1")
     if not args.data.exists():
         p.error(f"--data {args.data} does not exist")
-    from rag_jax.evaluation.models import load_for_eval, rag_settings
+    from rag_jax.evaluation.models import load_rag_model
     try:
-        loaded = load_for_eval(args.model)
-        settings = rag_settings(loaded.config)
+        loaded, settings = load_rag_model(args.model)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
-    if loaded.tokenizer is None:
-        p.error(f"--model {args.model} has no tokenizer.json")
     args.retriever = args.retriever or settings.retrieval.retriever
     timer = StageTimer()
     if args.data.is_dir():

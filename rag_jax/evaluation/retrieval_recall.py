@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if not questions:
         p.error(f"no question of kind {args.questions!r} with <= {args.max_hops} hops has gold titles")
 
-    from rag_jax.evaluation.models import load_for_eval, rag_settings
+    from rag_jax.evaluation.models import load_rag_model, rag_settings
     from rag_jax.evaluation.rag import retrieval_eval
     from rag_jax.metrics import recall_at_k
     embedders = {}
@@ -73,12 +73,9 @@ def main(argv=None) -> int:
     if args.model is not None:
         from rag_jax.model.embedding import GritEmbedder
         try:
-            loaded = load_for_eval(args.model)
-            settings = rag_settings(loaded.config)
+            loaded, settings = load_rag_model(args.model)
         except (FileNotFoundError, ValueError) as e:
             p.error(str(e))
-        if loaded.tokenizer is None:
-            p.error(f"--model {args.model} has no tokenizer.json")
         grit = GritEmbedder(loaded.model, loaded.tokenizer, max_length=settings.passage_max_len,
                             fmt=phantom_rag.grit_format())
         embedders[f"GRIT ({args.model})"] = (grit.embed, lambda x: grit.embed(x, instruction=settings.grit_instruction))
@@ -107,9 +104,8 @@ def main(argv=None) -> int:
     rows = []
     for name, res in report["results"].items():
         for hops, r in [("all", res)] + [(str(h), r) for h, r in res["by_hops"].items()]:
-            rows.append([name, hops, r["num_questions"], *(r[c] for c in cols),
-                         f"{res['seconds']:.1f}" if hops == "all" else ""])
-    print(table(["embedder", "hops", "questions", *cols, "seconds"], rows))
+            rows.append([name, hops, r["num_questions"], *(r[c] for c in cols), res["seconds"] if hops == "all" else ""])
+    print(table(["embedder", "hops", "questions", *cols, "seconds"], rows, floatfmt=(".3f",) * (3 + len(cols)) + (".1f",)))
     for name, res in report["results"].items():
         if "agree_with_exact" in res:
             print(f"# {name}: top-{max(ks)} agreement of ScaNN with the exact index: {res['agree_with_exact']:.4f}")

@@ -1,0 +1,50 @@
+"""``load_for_eval`` (``--model`` of every evaluation script): a run folder or an HF folder, the same weights back."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rag_jax.data.tokenizer import byte_tokenizer, save_tokenizer
+from rag_jax.evaluation.models import load_for_eval, rag_settings
+from rag_jax.model import ModelConfig, Transformer
+
+CFG = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                  max_seq_len=160)
+
+
+def _same(a, b) -> None:
+    la, lb = jax.tree.leaves(nnx.state(a, nnx.Param)), jax.tree.leaves(nnx.state(b, nnx.Param))
+    assert len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def test_hf_folder(tmp_path):
+    from rag_jax.model.hf import save_hf
+    model = Transformer(CFG, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 30))))
+    save_hf(model, tmp_path / "hf")
+    loaded = load_for_eval(tmp_path / "hf")
+    assert loaded.kind == "hf" and loaded.tokenizer is None and loaded.config == {}
+    _same(loaded.module(), model)
+    save_tokenizer(byte_tokenizer(), tmp_path / "hf")
+    assert load_for_eval(tmp_path / "hf").tokenizer.encode("ab").ids == [97, 98]
+
+
+def test_run_folder_of_the_passkey_trainer(tmp_path):
+    """A run folder written by ``trainer.run`` (the passkey reader: byte tokenizer) loads as the trained model."""
+    from rag_jax.evaluation.passkey import train_model
+    model = train_model(CFG, steps=2, batch=2, seq_len=160, lr=1e-3, seed=0, run_dir=tmp_path / "run", progress=False)
+    loaded = load_for_eval(tmp_path / "run")
+    assert loaded.kind == "run" and loaded.model_config.hidden_size == 32
+    assert loaded.tokenizer.encode("key:1").ids == list(b"key:1")
+    _same(loaded.module(), model)
+    settings = rag_settings(loaded.config)         # no demo sections: the demo's defaults
+    assert settings.task.num_passages >= 1 and settings.passage_max_len == 256
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_for_eval(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither a run folder"):
+        load_for_eval(tmp_path / "empty")
+    with pytest.raises(ValueError, match="task.num_passages"):
+        rag_settings({"task": {"num_passages": 0}})
