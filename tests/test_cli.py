@@ -36,3 +36,10 @@ def test_python_m_rag_jax_dispatches():
     r = subprocess.run([sys.executable, "-m", "rag_jax", "train", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage: rag-jax train")
+
+
+@pytest.mark.parametrize("verb,usage", [("index", "build"), ("search", "query")])
+def test_index_and_search_reach_the_retrieval_cli(verb, usage, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([verb, "--help"])
+    assert e.value.code == 0 and usage in capsys.readouterr().out.splitlines()[0]

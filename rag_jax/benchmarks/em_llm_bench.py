@@ -72,8 +72,8 @@ def stream_table(args) -> None:
             if row[0] == length:
                 row.insert(3, f"{row[2] / ref:.2f}x vs {ref_name}")
     print(f"\nStreaming prefill ({args.preset} model, EM-LLM {args.em_config.name}, median of {args.repeats})")
-    print(table(["tokens", "method", "tokens/s", "ratio", "device buffers MB", "host store MB", "events", "peak RSS MB"],
-                rows, floatfmt=(",.0f", "", ",.0f", "", ".2f", ".1f", ",.0f", ",.0f")))
+    print(table(["tokens", "method", "tokens/s", "ratio", "device buffers MB", "host store MB", "events",
+                 "peak RSS MB"], rows, floatfmt=(",.0f", "", ",.0f", "", ".2f", ".1f", ",.0f", ",.0f")))
 
 
 def lookup_table(args) -> None:

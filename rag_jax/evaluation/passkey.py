@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=128, help="hidden size of a newly trained model (4 heads)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--init-from", type=Path, default=None,
-                   help="start training from this model (run or HF folder; fine-tune further) instead of random weights")
+                   help="start training from this model (run or HF folder; fine-tune further), not random weights")
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--samples", type=int, default=4, help="passkey prompts per length (depths evenly spread)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)

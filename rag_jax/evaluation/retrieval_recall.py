@@ -104,8 +104,10 @@ def main(argv=None) -> int:
     rows = []
     for name, res in report["results"].items():
         for hops, r in [("all", res)] + [(str(h), r) for h, r in res["by_hops"].items()]:
-            rows.append([name, hops, r["num_questions"], *(r[c] for c in cols), res["seconds"] if hops == "all" else ""])
-    print(table(["embedder", "hops", "questions", *cols, "seconds"], rows, floatfmt=(".3f",) * (3 + len(cols)) + (".1f",)))
+            rows.append([name, hops, r["num_questions"], *(r[c] for c in cols),
+                         res["seconds"] if hops == "all" else ""])
+    print(table(["embedder", "hops", "questions", *cols, "seconds"], rows,
+                floatfmt=(".3f",) * (3 + len(cols)) + (".1f",)))
     for name, res in report["results"].items():
         if "agree_with_exact" in res:
             print(f"# {name}: top-{max(ks)} agreement of ScaNN with the exact index: {res['agree_with_exact']:.4f}")
