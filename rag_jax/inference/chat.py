@@ -47,17 +47,19 @@ def render_chat(template: str, messages: Sequence[dict], *, add_generation_promp
         raise ValueError(f"chat template does not render: {e}") from e
 
 
+PROMPT_BUCKET = 128  # prompts are left-padded to a multiple of this, so one compile serves many prompts
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _prefill(graphdef, state, tokens, max_new_tokens):
-    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    logits, cache, _ = prefill(nnx.merge(graphdef, state), tokens, positions, jnp.ones_like(tokens), None,
-                               max_new_tokens)
+def _prefill(graphdef, state, tokens, segment_ids, max_new_tokens):
+    positions = jnp.maximum(jnp.cumsum(segment_ids, axis=1) - 1, 0)
+    logits, cache, _ = prefill(nnx.merge(graphdef, state), tokens, positions, segment_ids, None, max_new_tokens)
     return logits, cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _step(graphdef, state, cache, token, position):
-    return decode_step(nnx.merge(graphdef, state), cache, token, position, position)
+def _step(graphdef, state, cache, token, position, slot):
+    return decode_step(nnx.merge(graphdef, state), cache, token, position, slot)
 
 
 def stream_tokens(model: Transformer, prompt: Sequence[int], *, max_new_tokens: int,
@@ -77,7 +79,12 @@ def stream_tokens(model: Transformer, prompt: Sequence[int], *, max_new_tokens: 
         raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"max_seq_len={cfg.max_seq_len}")
     graphdef, state = nnx.split(model)
-    logits, cache = _prefill(graphdef, state, jnp.asarray([prompt], jnp.int32), max_new_tokens=max_new_tokens)
+    width = -(-len(prompt) // PROMPT_BUCKET) * PROMPT_BUCKET
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, width - len(prompt):] = prompt
+    segment_ids = (np.arange(width) >= width - len(prompt)).astype(np.int32)[None]
+    logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(segment_ids),
+                             max_new_tokens=max_new_tokens)
     rng = jax.random.key(seed)
     for t in range(max_new_tokens):
         rng, step_rng = jax.random.split(rng)
@@ -85,7 +92,8 @@ def stream_tokens(model: Transformer, prompt: Sequence[int], *, max_new_tokens: 
         yield int(token[0])
         if int(token[0]) in eos or t == max_new_tokens - 1:
             return
-        logits, cache = _step(graphdef, state, cache, token, jnp.asarray([len(prompt) + t], jnp.int32))
+        logits, cache = _step(graphdef, state, cache, token, jnp.asarray([len(prompt) + t], jnp.int32),
+                              jnp.int32(width + t))
 
 
 def stream_text(tokenizer: Tokenizer, ids: Iterable[int], *, skip_special_tokens: bool = True) -> Iterator[str]:
