@@ -137,7 +137,7 @@ def _load(args):
 def _chat(args) -> int:
     loaded = _load(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    turns = [args.message] if args.message else None
+    turns = [args.message] if args.message is not None else None
     while True:
         if turns is not None:
             if not turns:
@@ -184,7 +184,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
     chat = sub.add_parser("chat", help="chat with a pretrained model (its chat template; streamed)")
     model_args(chat)
-    chat.add_argument("message", nargs="*", help="user turns to send (none: read turns from stdin)")
+    chat.add_argument("message", nargs="?", default=None,
+                      help="one user message to answer (default: read user turns from stdin until EOF)")
     chat.add_argument("--system", default=None, help="system message")
     chat.set_defaults(func=_chat)
     gen = sub.add_parser("generate", help="continue a plain-text prompt with a pretrained model (streamed)")
