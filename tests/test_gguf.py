@@ -134,7 +134,8 @@ def test_gguf_refusals(tmp_path, case, message):
     if case == "arch":
         path = write_gguf(tmp_path / "m.gguf", "gpt2", **kwargs)
     elif case == "yarn":
-        path = write_gguf(tmp_path / "m.gguf", "llama", **kwargs, metadata={"llama.rope.scaling.type": ("yarn", V.STRING)})
+        path = write_gguf(tmp_path / "m.gguf", "llama", **kwargs,
+                          metadata={"llama.rope.scaling.type": ("yarn", V.STRING)})
     elif case == "rope_freqs":
         path = write_gguf(tmp_path / "m.gguf", "llama", **kwargs, extra={"rope_freqs.weight": np.ones(8)})
     else:

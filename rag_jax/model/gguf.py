@@ -13,6 +13,7 @@ vocabulary and merges as stored, the pre-tokenizer named by ``tokenizer.ggml.pre
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from rag_jax.model.config import ModelConfig
-from rag_jax.model.hf import build_model, config_from_hf
+from rag_jax.model.hf import build_model, config_from_hf, save_hf
 from rag_jax.model.transformer import Transformer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -106,14 +107,15 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[ModelConfig, Transformer, str]:
-    """Load a GGUF file into a ``Transformer`` (dequantized to float32, then cast to ``dtype``).
+def load_gguf(path: str | os.PathLike | GGUFFile, *, dtype: str | None = None) -> tuple[ModelConfig, Transformer, str]:
+    """Load a GGUF file (a path, or a ``GGUFFile`` from ``open_gguf``) into a ``Transformer`` (dequantized to
+    float32, then cast to ``dtype``).
 
     Same contract as ``hf.load_hf``: returns ``(config, model, HF architecture name)``; ``dtype`` defaults
     to ``"float32"``. Raises FileNotFoundError, or ValueError naming the unsupported key or the tensor that
     is missing, mis-shaped or unused.
     """
-    f = open_gguf(path)
+    f = path if isinstance(path, GGUFFile) else open_gguf(path)
     cfg, arch = config_from_hf(hf_config_from_gguf(f))
     dtype = dtype or "float32"
     cfg = cfg.replace(param_dtype=dtype, dtype="float32" if dtype == "float32" else dtype)
@@ -122,7 +124,8 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[Mod
     for name in f.tensors:
         hf_name = names.get(name)
         if hf_name is None:
-            raise ValueError(f"GGUF tensor {name!r} in {f.path} has no counterpart in {arch}; rag-jax refuses to drop it")
+            raise ValueError(f"GGUF tensor {name!r} in {f.path} has no counterpart in {arch}; "
+                             "rag-jax refuses to drop it")
         gguf_to_hf[hf_name] = name
 
     def get_tensor(hf_name):
@@ -147,8 +150,8 @@ def _gguf_to_hf_names(architecture: str, num_layers: int) -> dict[str, str]:
     name_map = gguf.get_tensor_name_map(arch_enum, num_layers)
     table = {}
     for part in _HF_PARTS:
-        bases = [part] if part.startswith(("model.", "lm_head")) else [f"model.layers.{i}.{part}" for i in range(num_layers)]
-        for base in bases:
+        per_layer = not part.startswith(("model.", "lm_head"))
+        for base in [f"model.layers.{i}.{part}" for i in range(num_layers)] if per_layer else [part]:
             mapped = name_map.get_name(base)
             if mapped is not None:
                 table[mapped + ".weight"], table[mapped + ".bias"] = base + ".weight", base + ".bias"
@@ -184,7 +187,8 @@ def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
     byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
                             if k == _CONTROL and set(t) <= byte_alphabet])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+                    if k == _USER_DEFINED])
     bos = f.get("tokenizer.ggml.bos_token_id")
     if f.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
         tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
@@ -199,6 +203,19 @@ def special_tokens(f: GGUFFile) -> dict[str, int]:
     return {k: int(f.get(f"tokenizer.ggml.{v}")) for k, v in keys.items() if f.get(f"tokenizer.ggml.{v}") is not None}
 
 
+def special_token_strings(f: GGUFFile) -> dict[str, str]:
+    """``{"bos_token": "<|im_start|>", "eos_token": ..., "pad_token": ..., "unk_token": ...}`` (those stated)."""
+    tokens = f.get("tokenizer.ggml.tokens") or []
+    return {f"{k}_token": tokens[i] for k, i in special_tokens(f).items()
+            if k in ("bos", "eos", "pad", "unk") and i < len(tokens)}
+
+
+def eos_ids(f: GGUFFile) -> tuple[int, ...]:
+    """Ids that end a reply: ``tokenizer.ggml.eos_token_id`` and ``eot_token_id`` (those stated)."""
+    ids = special_tokens(f)
+    return tuple(dict.fromkeys(ids[k] for k in ("eos", "eot") if k in ids))
+
+
 def chat_template(f: GGUFFile) -> str | None:
     """The Jinja chat template stored in ``tokenizer.chat_template``, or None."""
     return f.get("tokenizer.chat_template")
@@ -211,22 +228,21 @@ def convert_gguf(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str 
     ``tokenizer_config.json`` (chat template, special tokens) and ``generation_config.json`` (bos/eos ids)
     when the file holds a tokenizer, so ``transformers.AutoTokenizer``/``AutoModelForCausalLM`` load it.
     """
-    import json
-
-    from rag_jax.model.hf import save_hf
-
     f = open_gguf(path)
-    _, model, arch = load_gguf(path, dtype=dtype)
+    _, model, arch = load_gguf(f, dtype=dtype)
     extra = {}
     if f.get("tokenizer.ggml.tokens") is not None:
-        tokens, ids = f.get("tokenizer.ggml.tokens"), special_tokens(f)
+        ids = special_tokens(f)
         extra["tokenizer.json"] = tokenizer_from_gguf(f).to_str()
-        tok_cfg = {f"{k}_token": tokens[i] for k, i in ids.items() if k in ("bos", "eos", "pad", "unk")}
-        tok_cfg.update(tokenizer_class="PreTrainedTokenizerFast", add_bos_token=bool(f.get("tokenizer.ggml.add_bos_token")),
-                       model_max_length=model.config.max_seq_len)
+        tok_cfg = special_token_strings(f)
+        tok_cfg.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=model.config.max_seq_len,
+                       add_bos_token=bool(f.get("tokenizer.ggml.add_bos_token")))
         if chat_template(f):
             tok_cfg["chat_template"] = chat_template(f)
         extra["tokenizer_config.json"] = json.dumps(tok_cfg, indent=2, ensure_ascii=False)
-        gen = {k + "_token_id": ids[k] for k in ("bos", "eos", "pad") if k in ids}
+        gen = {k + "_token_id": ids[k] for k in ("bos", "pad") if k in ids}
+        eos = eos_ids(f)
+        if eos:
+            gen["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
         extra["generation_config.json"] = json.dumps(gen, indent=2)
     return save_hf(model, out, arch, extra_files=extra)

@@ -233,7 +233,8 @@ def build_model(cfg: ModelConfig, names: set[str] | dict, get_tensor: Callable[[
     used = {name for name, _, _ in table.values()}
     unused = sorted(n for n in names if n not in used and not n.endswith("rotary_emb.inv_freq"))
     if unused == ["lm_head.weight"] and cfg.tie_embeddings:
-        if np.array_equal(np.asarray(get_tensor("lm_head.weight")), np.asarray(get_tensor("model.embed_tokens.weight"))):
+        head, embedding = get_tensor("lm_head.weight"), get_tensor("model.embed_tokens.weight")
+        if np.array_equal(np.asarray(head), np.asarray(embedding)):
             unused = []
     if unused:
         raise ValueError(f"{source} holds {len(unused)} tensor(s) this config does not use, e.g. {unused[:3]}; "

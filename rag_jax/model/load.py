@@ -104,13 +104,9 @@ def _load_gguf_file(path: Path, dtype: str | None) -> LoadedModel:
     from rag_jax.model import gguf as gg
 
     f = gg.open_gguf(path)
-    cfg, model, arch = gg.load_gguf(path, dtype=dtype)
+    cfg, model, arch = gg.load_gguf(f, dtype=dtype)
     tok = gg.tokenizer_from_gguf(f) if f.get("tokenizer.ggml.tokens") is not None else None
-    ids = gg.special_tokens(f)
-    tokens = f.get("tokenizer.ggml.tokens") or []
-    special = {f"{k}_token": tokens[i] for k, i in ids.items() if k in ("bos", "eos", "pad", "unk") and i < len(tokens)}
-    eos = tuple(dict.fromkeys(ids[k] for k in ("eos", "eot") if k in ids))
-    return LoadedModel(cfg, model, arch, tok, gg.chat_template(f), eos, special, path)
+    return LoadedModel(cfg, model, arch, tok, gg.chat_template(f), gg.eos_ids(f), gg.special_token_strings(f), path)
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> LoadedModel:
