@@ -130,7 +130,11 @@ def load_gguf(path: str | os.PathLike | GGUFFile, *, dtype: str | None = None) -
 
     def get_tensor(hf_name):
         t = f.tensors[gguf_to_hf[hf_name]]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which gguf.quants cannot "
+                             f"dequantize: {e}") from e
         if f.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             w = _unpermute(w, cfg.num_heads if ".q_proj." in hf_name else cfg.num_kv_heads)
         return w
