@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", help="output folder (report, plots, checkpoint)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(func=_demo)
+    from rag_jax.inference.chat import add_subcommands
+    add_subcommands(sub)  # chat, generate, convert
     return parser
 
 

@@ -42,17 +42,54 @@ def sample_logits(logits, rng, *, temperature: float = 0.0, top_k: int | None = 
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
+def eos_tuple(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """``eos_id`` as a tuple of ints (``None`` -> empty). Raises TypeError naming the bad value."""
+    if eos_id is None:
+        return ()
+    ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"eos_id={eos_id!r} must be an int or a sequence of ints")
+    return tuple(int(i) for i in ids)
+
+
+def decode_step(model: Transformer, cache: KVSegment, tokens, positions, slot):
+    """Run one new token per row and write its KV into ``cache`` at ``slot``.
+
+    tokens, positions: int32 ``[batch]``; cache: a fixed-size ``KVSegment`` whose slot ``slot`` is empty.
+    Returns ``(logits float32 [batch, vocab], updated cache)``.
+    """
+    batch = tokens.shape[0]
+    ones = jnp.ones((batch, 1), jnp.int32)
+    step = model(tokens[:, None], positions[:, None], ones, mode="causal", kv_cache=cache)
+    cache = KVSegment(
+        k=jax.lax.dynamic_update_slice_in_dim(cache.k, step.kv.k.astype(cache.k.dtype), slot, axis=2),
+        v=jax.lax.dynamic_update_slice_in_dim(cache.v, step.kv.v.astype(cache.v.dtype), slot, axis=2),
+        positions=jax.lax.dynamic_update_slice_in_dim(cache.positions, positions[:, None], slot, axis=1),
+        segment_ids=jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, ones, slot, axis=1))
+    return step.logits[:, -1], cache
+
+
+def prefill(model: Transformer, tokens, positions, segment_ids, prefix: KVSegment | None, max_new_tokens: int):
+    """Prompt forward + a cache with ``max_new_tokens`` empty slots after it.
+
+    Returns ``(last logits float32 [batch, vocab], cache KVSegment, index of the first empty slot)``.
+    """
+    cfg = model.config
+    out = model(tokens, positions, segment_ids, mode="causal", kv_cache=prefix)
+    empty = KVSegment.empty(cfg.num_layers, tokens.shape[0], max_new_tokens, cfg.num_kv_heads, cfg.head_dim,
+                            out.kv.k.dtype)
+    cache = KVSegment.concat(([prefix] if prefix is not None else []) + [out.kv, empty])
+    return out.logits[:, -1], cache, cache.length - max_new_tokens
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "temperature", "top_k", "top_p"))
 def _generate(graphdef, state, tokens, segment_ids, positions, prefix, rng, *, max_new_tokens, eos_id, temperature,
               top_k, top_p):
     model = nnx.merge(graphdef, state)
-    cfg = model.config
-    batch, prompt_len = tokens.shape
-    out = model(tokens, positions, segment_ids, mode="causal", kv_cache=prefix)
-    empty = KVSegment.empty(cfg.num_layers, batch, max_new_tokens, cfg.num_kv_heads, cfg.head_dim, out.kv.k.dtype)
-    cache = KVSegment.concat(([prefix] if prefix is not None else []) + [out.kv, empty])
-    first_slot = cache.length - max_new_tokens
-    fill = eos_id if eos_id is not None else 0
+    batch = tokens.shape[0]
+    logits, cache, first_slot = prefill(model, tokens, positions, segment_ids, prefix, max_new_tokens)
+    fill = eos_id[0] if eos_id else 0
+    eos = jnp.asarray(eos_id or (-1,), jnp.int32)
 
     def cond(carry):
         t, _, _, _, done, _, _ = carry
@@ -64,21 +101,13 @@ def _generate(graphdef, state, tokens, segment_ids, positions, prefix, rng, *, m
         nxt = sample_logits(last_logits, step_rng, temperature=temperature, top_k=top_k, top_p=top_p)
         nxt = jnp.where(done, fill, nxt)
         generated = generated.at[:, t].set(nxt)
-        if eos_id is not None:
-            done = done | (nxt == eos_id)
+        done = done | jnp.isin(nxt, eos)
         pos = last_pos + 1
-        step = model(nxt[:, None], pos[:, None], jnp.ones((batch, 1), jnp.int32), mode="causal", kv_cache=cache)
-        slot = first_slot + t
-        cache = KVSegment(
-            k=jax.lax.dynamic_update_slice_in_dim(cache.k, step.kv.k.astype(cache.k.dtype), slot, axis=2),
-            v=jax.lax.dynamic_update_slice_in_dim(cache.v, step.kv.v.astype(cache.v.dtype), slot, axis=2),
-            positions=jax.lax.dynamic_update_slice_in_dim(cache.positions, pos[:, None], slot, axis=1),
-            segment_ids=jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, jnp.ones((batch, 1), jnp.int32),
-                                                            slot, axis=1))
-        return t + 1, cache, step.logits[:, -1], pos, done, generated, rng
+        logits, cache = decode_step(model, cache, nxt, pos, first_slot + t)
+        return t + 1, cache, logits, pos, done, generated, rng
 
     generated = jnp.full((batch, max_new_tokens), fill, jnp.int32)
-    carry = (jnp.int32(0), cache, out.logits[:, -1], positions[:, -1], jnp.zeros((batch,), bool), generated, rng)
+    carry = (jnp.int32(0), cache, logits, positions[:, -1], jnp.zeros((batch,), bool), generated, rng)
     return jax.lax.while_loop(cond, body, carry)[5]
 
 
@@ -103,7 +132,7 @@ def _left_pad(prompts, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.ndarray, *, max_new_tokens: int,
-             eos_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+             eos_id: int | Sequence[int] | None = None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, kv_cache: KVSegment | None = None) -> np.ndarray:
     """Generate ``max_new_tokens`` tokens after each prompt.
 
@@ -111,7 +140,8 @@ def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.n
       model: a ``Transformer`` or its ``(graphdef, state)`` from ``nnx.split``.
       prompts: token-id lists of any lengths (left-padded internally) or an int array ``[batch, len]``.
       max_new_tokens: tokens to generate per row (>= 1).
-      eos_id: stop a row after it emits this id; later slots are filled with ``eos_id``.
+      eos_id: an id or a sequence of ids (HF ``generation_config.eos_token_id``); a row stops after it emits
+        any of them; later slots are filled with the first listed id.
       temperature, top_k, top_p: sampling (``temperature=0`` = greedy); see ``sample_logits``.
       seed: PRNG seed for sampling.
       kv_cache: optional prefix ``KVSegment`` (batch matching the prompts) attended before the prompt;
@@ -150,5 +180,5 @@ def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.n
     positions = np.maximum(np.cumsum(segment_ids, axis=1) - 1, 0) + start
     return np.asarray(_generate(graphdef, state, jnp.asarray(tokens), jnp.asarray(segment_ids),
                                 jnp.asarray(positions, jnp.int32), kv_cache, jax.random.key(seed),
-                                max_new_tokens=max_new_tokens, eos_id=eos_id, temperature=float(temperature),
+                                max_new_tokens=max_new_tokens, eos_id=eos_tuple(eos_id), temperature=float(temperature),
                                 top_k=top_k, top_p=top_p))

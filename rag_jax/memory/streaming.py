@@ -29,6 +29,7 @@ Deliberate differences from the reference code (note §4.4, §4.6):
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import flax.struct
 import jax
@@ -284,8 +285,12 @@ class EMLLM:
         tokens = self._check_tokens([token])
         return np.asarray(self._process(tokens, None))[0]
 
-    def generate(self, prompt, max_new_tokens: int, eos_id: int | None = None) -> list[int]:
-        """Greedy generation after ``prompt`` (int ``[seq]``); returns up to ``max_new_tokens`` ids."""
+    def generate(self, prompt, max_new_tokens: int, eos_id: int | Sequence[int] | None = None) -> list[int]:
+        """Greedy generation after ``prompt`` (int ``[seq]``); returns up to ``max_new_tokens`` ids, stopping
+        after the first id in ``eos_id`` (an int or a sequence of ints)."""
+        from rag_jax.inference.generate import eos_tuple
+
+        eos = eos_tuple(eos_id)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         logits = self.prefill(prompt)
@@ -293,7 +298,7 @@ class EMLLM:
         for i in range(max_new_tokens):
             token = int(np.argmax(logits))
             out.append(token)
-            if token == eos_id or i == max_new_tokens - 1:
+            if token in eos or i == max_new_tokens - 1:
                 break
             logits = self.step(token)
         return out

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class _HashableDict(dict):
@@ -36,8 +37,12 @@ class ModelConfig:
       rms_norm_eps: RMSNorm epsilon.
       max_seq_len: the longest sequence (in tokens) the model accepts in one forward pass.
       tie_embeddings: share the input embedding with the output projection.
-      qkv_bias: biases on the q/k/v projections (Qwen2).
-      sliding_window: Mistral's sliding attention window in tokens, or ``None``.
+      qkv_bias: biases on the q/k/v projections (Qwen2; Llama ``attention_bias``).
+      out_bias: a bias on the attention output projection (Llama ``attention_bias``).
+      mlp_bias: biases on the three MLP projections (Llama ``mlp_bias``).
+      sliding_window: sliding attention window in tokens, or ``None``.
+      layer_types: ``None`` (the window, if any, applies to every layer, as Mistral) or one entry per layer,
+        ``"full_attention"`` or ``"sliding_attention"`` (HF ``layer_types``; Qwen2 ``max_window_layers``).
       dtype: compute dtype of activations and matmuls.
       param_dtype: storage dtype of parameters.
     """
@@ -55,7 +60,10 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
 
@@ -83,12 +91,26 @@ class ModelConfig:
             raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be None or >= 1 tokens")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad or len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types={list(self.layer_types)} must list num_layers={self.num_layers} "
+                                 f"entries from {LAYER_TYPES}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", _HashableDict(self.rope_scaling))
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported; "
                                  f"valid: {SUPPORTED_ROPE_TYPES}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` in tokens, or ``None`` (full attention)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def compute_dtype(self):

@@ -6,6 +6,7 @@ of names plus reshapes/transposes (``_tensor_map``). Nothing is ever fetched fro
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -19,15 +20,43 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from rag_jax.atomic import replace_directory
-from rag_jax.model.config import ModelConfig
+from rag_jax.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
 from rag_jax.model.transformer import Transformer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
+# Config fields that change the math, with the values rag-jax implements (anything else is refused by name).
+_IMPLEMENTED_VALUES = {"hidden_act": ("silu",), "pretraining_tp": (1,), "attn_logit_softcapping": (None,),
+                       "final_logit_softcapping": (None,), "partial_rotary_factor": (1, 1.0, None)}
+
+
+def _refuse(field: str, value, valid) -> ValueError:
+    return ValueError(f"config field {field}={value!r} is not implemented by rag-jax; valid: {valid}")
+
+
+def _layer_types(hf: dict, arch: str, sliding: int | None) -> tuple[str, ...] | None:
+    """Per-layer attention kinds as transformers derives them (``layer_types``, else Qwen2's
+    ``max_window_layers``: layers ``i >= max_window_layers`` use the window), or None (all layers alike)."""
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types") is not None:
+        return tuple(hf["layer_types"])
+    if arch == "Qwen2ForCausalLM" and sliding is not None:
+        first = hf.get("max_window_layers", 28)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    return None
+
+
 def config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
-    """``config.json`` dict -> (ModelConfig, architecture). Raises ValueError for unsupported architectures."""
+    """``config.json`` dict -> (ModelConfig, architecture).
+
+    Raises ValueError for unsupported architectures and for every field that changes the math in a way
+    rag-jax does not implement (names the field, its value and the valid values): ``hidden_act``, RoPE
+    types other than default/linear/llama3, ``partial_rotary_factor``, softcapping, ``pretraining_tp``.
+    Implemented: ``attention_bias`` (q/k/v/o biases), ``mlp_bias``, ``sliding_window`` with per-layer
+    ``layer_types`` / Qwen2 ``use_sliding_window`` + ``max_window_layers``, tied embeddings.
+    """
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else {v: k for k, v in _MODEL_TYPES.items()}.get(hf.get("model_type"))
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -35,23 +64,37 @@ def config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    fields = {**hf, **{k: v for k, v in rope.items() if k == "partial_rotary_factor"}}
+    for field, valid in _IMPLEMENTED_VALUES.items():
+        if fields.get(field, valid[0]) not in valid:
+            raise _refuse(field, fields[field], list(valid))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise _refuse("rope_type", rope_type, list(SUPPORTED_ROPE_TYPES))
     rope_scaling = None if rope_type == "default" else rope
     sliding = hf.get("sliding_window")
     if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
         sliding = None
+    if arch == "LlamaForCausalLM":
+        sliding = None  # Llama has no window; its config.json may still carry one
+    bias = arch == "LlamaForCausalLM" and bool(hf.get("attention_bias", False))
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
         num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"], head_dim=hf.get("head_dim"),
         rope_theta=float(rope_theta), rope_scaling=rope_scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
         max_seq_len=hf.get("max_position_embeddings", 2048), tie_embeddings=hf.get("tie_word_embeddings", False),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)), sliding_window=sliding)
+        qkv_bias=arch == "Qwen2ForCausalLM" or bias, out_bias=bias,
+        mlp_bias=arch == "LlamaForCausalLM" and bool(hf.get("mlp_bias", False)), sliding_window=sliding,
+        layer_types=_layer_types(hf, arch, sliding) if sliding is not None else None)
     return cfg, arch
 
 
 def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
-    """ModelConfig -> ``config.json`` dict for ``arch``."""
+    """ModelConfig -> ``config.json`` dict for ``arch`` (every field transformers needs for the same math).
+
+    Raises ValueError for an unsupported ``arch`` or a config ``arch`` cannot express (biases, windows).
+    """
     _check_arch(arch)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
@@ -65,13 +108,24 @@ def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
                torch_dtype=cfg.param_dtype, dtype=cfg.param_dtype)
     if cfg.rope_scaling:
         out["rope_scaling"] = dict(cfg.rope_scaling)
+    llama_bias = cfg.qkv_bias and cfg.out_bias
+    expressible = {"LlamaForCausalLM": (cfg.qkv_bias == cfg.out_bias and cfg.sliding_window is None),
+                   "MistralForCausalLM": not (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias or cfg.layer_types),
+                   "Qwen2ForCausalLM": cfg.qkv_bias and not (cfg.out_bias or cfg.mlp_bias)}[arch]
+    if not expressible:
+        raise ValueError(f"architecture {arch!r} cannot express qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}, "
+                         f"mlp_bias={cfg.mlp_bias}, sliding_window={cfg.sliding_window}, "
+                         f"layer_types={cfg.layer_types}; pick another architecture")
     if arch == "LlamaForCausalLM":
-        out["attention_bias"] = cfg.qkv_bias
+        out.update(attention_bias=llama_bias, mlp_bias=cfg.mlp_bias)
     if arch == "MistralForCausalLM":
         out["sliding_window"] = cfg.sliding_window
     if arch == "Qwen2ForCausalLM":
         out["use_sliding_window"] = cfg.sliding_window is not None
         out["sliding_window"] = cfg.sliding_window
+        out["max_window_layers"] = cfg.num_layers
+        if cfg.sliding_window is not None:
+            out["layer_types"] = list(cfg.layer_types or ["sliding_attention"] * cfg.num_layers)
     return out
 
 
@@ -113,8 +167,12 @@ def _tensor_map(cfg: ModelConfig) -> dict[tuple, tuple[str, Transform, Transform
             table[L + ("attn", "bq")] = (p + "self_attn.q_proj.bias", *bias(nh))
             table[L + ("attn", "bk")] = (p + "self_attn.k_proj.bias", *bias(nkv))
             table[L + ("attn", "bv")] = (p + "self_attn.v_proj.bias", *bias(nkv))
+        if cfg.out_bias:
+            table[L + ("attn", "bo")] = (p + "self_attn.o_proj.bias", same, same)
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             table[L + ("mlp", ours)] = (p + f"mlp.{theirs}.weight", t, t)
+            if cfg.mlp_bias:
+                table[L + ("mlp", f"{ours}_bias")] = (p + f"mlp.{theirs}.bias", same, same)
     return table
 
 
@@ -133,8 +191,55 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
     out = {}
     for f in files:
         with safe_open(f, framework="flax") as fh:
-            out.update({name: f for name in fh.keys()})
+            for name in fh.keys():
+                if name in out:
+                    raise ValueError(f"tensor {name!r} is in both {out[name].name} and {f.name} and {path} has no "
+                                     "model.safetensors.index.json to say which one is meant")
+                out[name] = f
     return out
+
+
+def build_model(cfg: ModelConfig, names: set[str] | dict, get_tensor: Callable[[str], np.ndarray],
+                source: str) -> Transformer:
+    """A ``Transformer(cfg)`` filled from tensors in HF layout and naming (``model.layers.0.self_attn.q_proj.weight``).
+
+    Args:
+      names: every tensor name the checkpoint holds; each must be used (a tied checkpoint may repeat the
+        embedding as an identical ``lm_head.weight``; ``rotary_emb.inv_freq`` buffers are derived, skipped).
+      get_tensor: name -> array (NumPy or JAX) in HF layout.
+      source: where the tensors come from, for error messages.
+
+    Raises ValueError naming the tensor: missing, shape not matching the config, or not used.
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    table = _tensor_map(cfg)
+    flat = []
+    for key, var in nnx.to_flat_state(state):
+        if key not in table:
+            raise ValueError(f"internal: no HF mapping for parameter {key}")
+        name, to_ours, _ = table[key]
+        if name not in names:
+            raise ValueError(f"tensor {name!r} is missing from {source}")
+        hf_tensor = get_tensor(name)
+        try:
+            value = to_ours(hf_tensor)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or tuple(value.shape) != tuple(var.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(hf_tensor.shape)}, which does not match the "
+                             f"config (expected parameter {'.'.join(map(str, key))} of shape {tuple(var.shape)})")
+        flat.append((key, var.replace(value=jnp.asarray(value, cfg.weight_dtype))))
+    used = {name for name, _, _ in table.values()}
+    unused = sorted(n for n in names if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if unused == ["lm_head.weight"] and cfg.tie_embeddings:
+        head, embedding = get_tensor("lm_head.weight"), get_tensor("model.embed_tokens.weight")
+        if np.array_equal(np.asarray(head), np.asarray(embedding)):
+            unused = []
+    if unused:
+        raise ValueError(f"{source} holds {len(unused)} tensor(s) this config does not use, e.g. {unused[:3]}; "
+                         "rag-jax refuses to drop weights (check the config: biases, tied embeddings, architecture)")
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def load_hf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[ModelConfig, Transformer, str]:
@@ -148,8 +253,8 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[Model
     Returns: ``(config, model, architecture)``.
     Raises:
       FileNotFoundError: missing folder, ``config.json`` or safetensors file.
-      ValueError: unsupported architecture; a tensor missing, or its shape not matching the config
-        (names the tensor and both shapes).
+      ValueError: unsupported architecture or config field (see ``config_from_hf``); a tensor missing, unused,
+        held by two files without an index, or its shape not matching the config (names the tensor).
     """
     path = Path(path)
     if not (path / "config.json").exists():
@@ -160,40 +265,24 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[Model
     param_dtype = dtype or (stored if stored in ("float32", "bfloat16", "float16") else "float32")
     cfg = cfg.replace(param_dtype=param_dtype, dtype="float32" if param_dtype == "float32" else param_dtype)
     files = _safetensors_files(path)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    table = _tensor_map(cfg)
-    handles = {}
-    flat = []
-    try:
-        for key, var in nnx.to_flat_state(state):
-            if key not in table:
-                raise ValueError(f"internal: no HF mapping for parameter {key}")
-            name, to_ours, _ = table[key]
-            if name not in files:
-                raise ValueError(f"tensor {name!r} is missing from the safetensors files in {path}")
-            f = files[name]
-            if f not in handles:
-                handles[f] = safe_open(f, framework="flax").__enter__()
-            hf_tensor = handles[f].get_tensor(name)
-            try:
-                value = to_ours(hf_tensor)
-            except (TypeError, ValueError):
-                value = None
-            if value is None or tuple(value.shape) != tuple(var.shape):
-                raise ValueError(f"tensor {name!r} has shape {tuple(hf_tensor.shape)}, which does not match the "
-                                 f"config (expected parameter {'.'.join(map(str, key))} of shape {tuple(var.shape)})")
-            flat.append((key, var.replace(value=jnp.asarray(value, cfg.weight_dtype))))
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    with contextlib.ExitStack() as stack:
+        handles = {}
+
+        def get_tensor(name):
+            if files[name] not in handles:
+                handles[files[name]] = stack.enter_context(safe_open(files[name], framework="flax"))
+            return handles[files[name]].get_tensor(name)
+
+        model = build_model(cfg, files, get_tensor, f"the safetensors files in {path}")
     return cfg, model, arch
 
 
 def save_hf(model: Transformer, path: str | os.PathLike, arch: str = "LlamaForCausalLM", *,
-            max_shard_bytes: int = 2 * 1024**3) -> Path:
+            max_shard_bytes: int = 2 * 1024**3, extra_files: dict[str, str] | None = None) -> Path:
     """Export ``model`` as an HF checkpoint folder (atomically: written to a temp folder, then renamed).
+
+    ``extra_files`` (file name -> text) are written into the same folder in the same atomic step
+    (``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``).
 
     Tensors larger than ``max_shard_bytes`` in total are split across ``model-0000i-of-0000n.safetensors``
     files with a ``model.safetensors.index.json``. Raises ValueError for unsupported ``arch``.
@@ -217,6 +306,8 @@ def save_hf(model: Transformer, path: str | os.PathLike, arch: str = "LlamaForCa
         size += nbytes
     with replace_directory(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, arch), indent=2))
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
         if len(shards) == 1:
             save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
         else:

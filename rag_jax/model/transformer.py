@@ -63,7 +63,9 @@ class Attention(nnx.Module):
             self.bq = _param(None, (cfg.num_heads, d), ("heads", "head_dim"), pd, init="zeros")
             self.bk = _param(None, (cfg.num_kv_heads, d), ("kv_heads", "head_dim"), pd, init="zeros")
             self.bv = _param(None, (cfg.num_kv_heads, d), ("kv_heads", "head_dim"), pd, init="zeros")
-        self.qkv_bias = cfg.qkv_bias
+        if cfg.out_bias:
+            self.bo = _param(None, (h,), ("embed",), pd, init="zeros")
+        self.qkv_bias, self.out_bias = cfg.qkv_bias, cfg.out_bias
 
     def project_qkv(self, x):
         """x ``[b, s, hidden]`` -> pre-RoPE q ``[b, s, num_heads, head_dim]``, k/v ``[b, s, num_kv_heads, head_dim]``."""
@@ -77,7 +79,8 @@ class Attention(nnx.Module):
 
     def output(self, attn_out):
         """``[b, s, num_heads, head_dim]`` -> ``[b, s, hidden]``."""
-        return jnp.einsum("bsnd,ndh->bsh", attn_out, self.wo[...].astype(attn_out.dtype))
+        out = jnp.einsum("bsnd,ndh->bsh", attn_out, self.wo[...].astype(attn_out.dtype))
+        return out + self.bo[...].astype(out.dtype) if self.out_bias else out
 
 
 class MLP(nnx.Module):
@@ -88,11 +91,18 @@ class MLP(nnx.Module):
         self.gate = _param(rngs, (h, m), ("embed", "mlp"), pd)
         self.up = _param(rngs, (h, m), ("embed", "mlp"), pd)
         self.down = _param(rngs, (m, h), ("mlp", "embed"), pd)
+        if cfg.mlp_bias:  # Llama mlp_bias
+            self.gate_bias = _param(None, (m,), ("mlp",), pd, init="zeros")
+            self.up_bias = _param(None, (m,), ("mlp",), pd, init="zeros")
+            self.down_bias = _param(None, (h,), ("embed",), pd, init="zeros")
+        self.mlp_bias = cfg.mlp_bias
 
     def __call__(self, x):
         dt = x.dtype
-        g = x @ self.gate[...].astype(dt)
-        return (jax.nn.silu(g) * (x @ self.up[...].astype(dt))) @ self.down[...].astype(dt)
+        bias = (lambda name: getattr(self, name)[...].astype(dt)) if self.mlp_bias else (lambda name: 0)
+        g = x @ self.gate[...].astype(dt) + bias("gate_bias")
+        u = x @ self.up[...].astype(dt) + bias("up_bias")
+        return (jax.nn.silu(g) * u) @ self.down[...].astype(dt) + bias("down_bias")
 
 
 class DecoderLayer(nnx.Module):
@@ -237,13 +247,15 @@ class Transformer(nnx.Module):
             kv_pos = jnp.concatenate([kv_cache.positions, positions], axis=1)
         # The embedding pass sees the whole text: no sliding window (GritLM note §3.2).
         window = None if mode == "bidirectional" else cfg.sliding_window
-        mask = build_mask(mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions,
-                          kv_positions=kv_pos, sliding_window=window)
+        masks = {w: build_mask(mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions,
+                               kv_positions=kv_pos, sliding_window=w)
+                 for w in {window and cfg.layer_window(i) for i in range(cfg.num_layers)}}
         inv_freq = self.inv_freq
         layer_fn = self._layer_fn()
         x = self.embed(tokens)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
+            mask = masks[window and cfg.layer_window(i)]  # per-layer windows (HF layer_types)
             if kv_cache is None:
                 x, (k, v) = layer_fn(layer, x, positions, mask, inv_freq)
             else:

