@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.model import KVSegment, ModelConfig, Transformer
+from rag_jax.model import KVSegment, ModelConfig, Transformer, jit_forward
 from rag_jax.model import attention, kernels
 from rag_jax.model.attention import attend, attend_joint, resolve_impl
 from rag_jax.model.blockwise import blockwise_attention
 from rag_jax.model.masks import MaskSpec
 
 TOL = 1e-5
-CHUNKS = dict(q_chunk=16, kv_chunk=8)  # small tiles: many tiles, ragged ends, skipped tiles
+CHUNKS = dict(q_chunk=8, kv_chunk=5)  # small tiles: many tiles, ragged ends, skipped tiles, edge-touching tiles
 
 
 def _qkv(rng, b, q_len, kv_len, heads=4, kv_heads=2, d=16):
@@ -78,7 +78,7 @@ def _valid(spec):
 
 
 def _grads(fn, q, k, v, ct):
-    return jax.value_and_grad(lambda q, k, v: (fn(q, k, v) * ct).sum(), argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(jax.value_and_grad(lambda q, k, v: (fn(q, k, v) * ct).sum(), argnums=(0, 1, 2)))(q, k, v)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -87,7 +87,7 @@ def test_blockwise_equals_dense_outputs_and_gradients(name):
     q, k, v, spec = _case(name, rng)
     ct = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * _valid(spec)
     dense = attend(q, k, v, spec, impl="dense")
-    block = blockwise_attention(q, k, v, spec, **CHUNKS)[0]
+    block = jax.jit(lambda q, k, v: blockwise_attention(q, k, v, spec, **CHUNKS)[0])(q, k, v)
     assert float(jnp.abs(dense).max()) > 0.1
     np.testing.assert_allclose(block, dense, atol=TOL, rtol=0)
     assert not np.asarray(block)[~np.asarray(spec.q_segment_ids != 0)].any()  # padding queries: zero
@@ -130,13 +130,13 @@ def test_spec_mask_and_chunk_skipping_are_sound(name):
     *_, spec = _case(name, rng)
     dense = np.asarray(spec.dense())
     np.testing.assert_array_equal(dense, _numpy_mask(spec))
-    qc, kc = CHUNKS["q_chunk"], CHUNKS["kv_chunk"]
-    Q, K = -(-spec.q_len // qc) * qc, -(-spec.kv_len // kc) * kc
-    need = np.asarray(spec.pad(Q, K).chunk_needed(qc, kc))
-    tiles = np.pad(dense, ((0, 0), (0, Q - spec.q_len), (0, K - spec.kv_len)))
-    tiles = tiles.reshape(dense.shape[0], Q // qc, qc, K // kc, kc).any((0, 2, 4))
-    assert not (tiles & ~need).any(), "a needed tile was skipped"
-    assert (~need).sum() > 0, "structure should let some tiles be skipped"
+    for qc, kc in ((8, 5), (16, 8), (7, 3), (5, 11)):
+        Q, K = -(-spec.q_len // qc) * qc, -(-spec.kv_len // kc) * kc
+        need = np.asarray(spec.pad(Q, K).chunk_needed(qc, kc))
+        tiles = np.pad(dense, ((0, 0), (0, Q - spec.q_len), (0, K - spec.kv_len)))
+        tiles = tiles.reshape(dense.shape[0], Q // qc, qc, K // kc, kc).any((0, 2, 4))
+        assert not (tiles & ~need).any(), f"a needed tile was skipped (q_chunk={qc}, kv_chunk={kc})"
+        assert (~need).sum() > 0, "structure should let some tiles be skipped"
 
 
 def test_causal_tiles_above_the_diagonal_are_skipped():
@@ -158,11 +158,13 @@ def test_joint_groups_merge_by_logsumexp():
     groups = lambda q1, k1, v1, q2, k2, v2: [(q1, k1, v1, s1), (q2, k2, v2, s2)]  # noqa: E731
     args = (q1, k1, v1, q2, k2, v2)
     ct = jnp.asarray(rng.normal(size=q1.shape), jnp.float32)
-    f_dense = lambda *a: attend_joint(groups(*a), impl="dense")  # noqa: E731
-    f_block = lambda *a: attend_joint(groups(*a), impl="blockwise")  # noqa: E731
-    np.testing.assert_allclose(f_block(*args), f_dense(*args), atol=TOL, rtol=0)
-    g_dense = jax.grad(lambda *a: (f_dense(*a) * ct).sum(), argnums=tuple(range(6)))(*args)
-    g_block = jax.grad(lambda *a: (f_block(*a) * ct).sum(), argnums=tuple(range(6)))(*args)
+    def f(impl):
+        return lambda *a: attend_joint(groups(*a), impl=impl)
+
+    def vg(impl):
+        return jax.jit(jax.value_and_grad(lambda *a: (f(impl)(*a) * ct).sum(), argnums=tuple(range(6))))(*args)
+    np.testing.assert_allclose(jax.jit(f("blockwise"))(*args), f("dense")(*args), atol=TOL, rtol=0)
+    (_, g_dense), (_, g_block) = vg("dense"), vg("blockwise")
     for a, b_ in zip(g_block, g_dense):
         np.testing.assert_allclose(a, b_, atol=TOL, rtol=0)
     # return_weights stays on the dense path and sums to one over both groups on valid rows
@@ -236,9 +238,11 @@ def test_whole_model_logits_dense_equals_blockwise(monkeypatch):
                       positions=jnp.asarray(np.tile(np.arange(cache_len), (b, 1)), jnp.int32),
                       segment_ids=jnp.asarray(np.repeat([[2, 3]], 10, axis=1).repeat(b, 0), jnp.int32))
     valid = np.asarray(seg != 0)
+    model.config = cfg.replace(attention_impl="blockwise")
+    blockwise = jit_forward(model)
+    model.config = cfg
+    dense = jit_forward(model)
     for kwargs in (dict(mode="causal"), dict(mode="block", is_global=is_global, kv_cache=cache)):
-        model.config = cfg
-        ref = model(tokens, pos, seg, **kwargs).logits
-        model.config = cfg.replace(attention_impl="blockwise")
-        got = model(tokens, pos, seg, **kwargs).logits
+        ref = dense(tokens, pos, seg, **kwargs).logits
+        got = blockwise(tokens, pos, seg, **kwargs).logits
         np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(ref)[valid], atol=TOL, rtol=0)
