@@ -210,8 +210,8 @@ def test_cudnn_selection():
 def test_resolve_impl_per_backend_and_length():
     assert resolve_impl("auto", 8192, 8192, backend="gpu") == "cudnn"
     assert resolve_impl("auto", 8192, 8192, backend="tpu") == "splash"
-    assert resolve_impl("auto", 256, 256, backend="cpu") == "dense"
-    assert resolve_impl("auto", 8192, 8192, backend="cpu") == "blockwise"
+    assert resolve_impl("auto", 200, 256, backend="cpu") == "dense"
+    assert resolve_impl("auto", 1024, 1024, backend="cpu") == "blockwise"
     assert resolve_impl("dense", 8192, 8192, backend="gpu") == "dense"
     with pytest.raises(ValueError, match="attention_impl='flash' is not supported; valid"):
         resolve_impl("flash", 1, 1)

@@ -10,7 +10,7 @@ array (the dense path only). Implementations (``ATTENTION_IMPLS``):
   (``kernels.py``), otherwise blockwise.
 - ``splash``: Pallas splash attention (TPU) with segment ids, otherwise blockwise.
 - ``auto``: cudnn on GPU, splash on TPU, and on CPU dense up to ``AUTO_DENSE_MAX_PAIRS`` (query, key)
-  pairs, blockwise beyond.
+  pairs per head, blockwise beyond.
 
 ``attend_joint`` computes several (q, k, v, mask) groups under ONE softmax — EM-LLM's joint softmax over
 the local window and retrieved memory (Fountas et al., ICLR 2025, §3.3, following InfLLM), where each
@@ -30,9 +30,9 @@ from rag_jax.model.blockwise import MASK_VALUE, blockwise_attention
 from rag_jax.model.config import ATTENTION_IMPLS
 from rag_jax.model.masks import MaskSpec
 
-# On CPU, dense is as fast as blockwise for short inputs (one fused einsum); beyond this many
-# (query, key) pairs per head blockwise wins and its memory stays flat (bench/attention.py).
-AUTO_DENSE_MAX_PAIRS = 1024 * 1024
+# On CPU, auto runs dense only up to one blockwise tile (256 x 256 pairs per head): SmolLM2-135M prefill
+# was already ~2x faster blockwise at 1K tokens (bench/attention.py), and blockwise memory stays flat.
+AUTO_DENSE_MAX_PAIRS = 256 * 256
 
 
 def check_impl(impl: str) -> None:

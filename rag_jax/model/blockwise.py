@@ -128,7 +128,7 @@ def _flash_bwd(qc, kc, res, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def blockwise_attention(q, k, v, spec: MaskSpec, *, q_chunk: int = 512, kv_chunk: int = 512):
+def blockwise_attention(q, k, v, spec: MaskSpec, *, q_chunk: int = 256, kv_chunk: int = 256):
     """Exact attention ``softmax(q·kᵀ/√head_dim + mask)·v`` without ``[q_len, kv_len]`` tensors.
 
     Args:
