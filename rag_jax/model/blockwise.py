@@ -136,6 +136,7 @@ def blockwise_attention(q, k, v, spec: MaskSpec, *, q_chunk: int = 256, kv_chunk
       k, v: ``[batch, kv_len, num_kv_heads, head_dim]`` (k rotated); ``num_kv_heads`` divides ``num_heads``.
       spec: the structural ``MaskSpec`` (q_len / kv_len must match).
       q_chunk, kv_chunk: tile sizes in tokens (clipped to the lengths; inputs are padded to multiples).
+        With ``q_len < q_chunk`` the KV tile grows by ``q_chunk // q_len`` (same pairs per tile).
 
     Returns:
       ``(out [batch, q_len, num_heads, head_dim] in q's dtype, lse float32 [batch, num_kv_heads,
@@ -152,7 +153,9 @@ def blockwise_attention(q, k, v, spec: MaskSpec, *, q_chunk: int = 256, kv_chunk
     if (spec.q_len, spec.kv_len) != (q_len, kv_len) or v.shape != k.shape:
         raise ValueError(f"mask spec covers q_len={spec.q_len}, kv_len={spec.kv_len} but q has {q_len} tokens, "
                          f"k {kv_len}, v shape {tuple(v.shape)}")
-    qc, kc = min(q_chunk, q_len), min(kv_chunk, kv_len)
+    qc = min(q_chunk, q_len)
+    # few queries (a last block over a long cache, decoding): wider KV tiles, same tile size in pairs
+    kc = min(kv_chunk * max(1, q_chunk // qc), kv_len)
     q_pad, kv_pad = -q_len % qc, -kv_len % kc
     g = num_heads // num_kv_heads
     qt = (q * jnp.asarray(d ** -0.5, q.dtype)).reshape(b, q_len, num_kv_heads, g, d).transpose(0, 2, 3, 1, 4)
