@@ -1,10 +1,23 @@
-"""The one attention function: grouped-query attention over already-rotated q and k.
+"""The one attention function: grouped-query attention over already-rotated q and k, on every backend.
 
-``attend_joint`` computes logits for several (q, k, v, mask) groups and normalizes them with ONE
-softmax — EM-LLM's joint softmax over the local window and retrieved memory (Fountas et al.,
-ICLR 2025, §3.3, following InfLLM), where each group may use a different query rotation.
-``attend`` is the single-group case. Logits and softmax are float32; masked logits get a large
-finite negative so a fully masked row (a padding query) yields finite output, never NaN.
+``attend(q, k, v, mask, impl=...)`` takes the mask either as a structural ``MaskSpec`` (segment ids,
+orders, positions, global flags, mode, window: O(seq) memory) or as a dense bool ``[batch, q, kv]``
+array (the dense path only). Implementations (``ATTENTION_IMPLS``):
+
+- ``dense``: the reference. float32 logits ``[b, kv_heads, group, q, kv]``, the mask built from the spec.
+- ``blockwise``: flash-style online softmax in pure JAX (``blockwise.py``), any backend, O(seq) memory.
+- ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU) where the mask is expressible
+  (``kernels.py``), otherwise blockwise.
+- ``splash``: Pallas splash attention (TPU) with segment ids, otherwise blockwise.
+- ``auto``: cudnn on GPU, splash on TPU, and on CPU dense up to ``AUTO_DENSE_MAX_PAIRS`` (query, key)
+  pairs per head, blockwise beyond.
+
+``attend_joint`` computes several (q, k, v, mask) groups under ONE softmax — EM-LLM's joint softmax over
+the local window and retrieved memory (Fountas et al., ICLR 2025, §3.3, following InfLLM), where each
+group may use a different query rotation. On the kernel paths each group runs separately and the
+results are merged by log-sum-exp (exact: ``out = Σ_g exp(lse_g - lse) · out_g``).
+
+Logits and softmax are float32; a fully masked query row (padding) yields a zero output on every path.
 """
 from __future__ import annotations
 
@@ -12,7 +25,35 @@ import einops
 import jax
 import jax.numpy as jnp
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from rag_jax.model import kernels
+from rag_jax.model.blockwise import MASK_VALUE, blockwise_attention
+from rag_jax.model.config import ATTENTION_IMPLS
+from rag_jax.model.masks import MaskSpec
+
+# On CPU, auto runs dense only up to one blockwise tile (256 x 256 pairs per head): SmolLM2-135M prefill
+# was already ~2x faster blockwise at 1K tokens (bench/attention.py), and blockwise memory stays flat.
+AUTO_DENSE_MAX_PAIRS = 256 * 256
+
+
+def check_impl(impl: str) -> None:
+    """Raises ValueError naming the value and the valid implementations."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={impl!r} is not supported; valid: {ATTENTION_IMPLS}")
+
+
+def resolve_impl(impl: str, q_len: int, kv_len: int, backend: str | None = None) -> str:
+    """The concrete implementation ``attend`` runs for ``impl`` on ``backend`` (default: JAX's default
+    backend) at the given lengths. Kernel paths whose mask is not expressible fall back to blockwise
+    inside ``attend`` (see ``kernels``)."""
+    check_impl(impl)
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    if backend in ("gpu", "cuda", "rocm"):
+        return "cudnn"
+    if backend == "tpu":
+        return "splash"
+    return "dense" if q_len * kv_len <= AUTO_DENSE_MAX_PAIRS else "blockwise"
 
 
 def _group_logits(q, k, mask):
@@ -27,30 +68,70 @@ def _group_logits(q, k, mask):
     return jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
 
 
-def attend_joint(groups, *, return_weights: bool = False):
-    """One softmax over the concatenated logits of ``groups = [(q, k, v, mask), ...]``.
+def _dense_mask(mask):
+    return mask.dense() if isinstance(mask, MaskSpec) else mask
 
-    Shapes per group: q ``[batch, q_len, num_heads, head_dim]`` (rotated), k/v
-    ``[batch, kv_len_i, num_kv_heads, head_dim]`` (k rotated), mask bool ``[batch, q_len, kv_len_i]``.
-    Returns ``[batch, q_len, num_heads, head_dim]`` in q's dtype; with ``return_weights`` also the
-    float32 attention weights ``[batch, num_kv_heads, heads_per_kv_head, q_len, sum(kv_len_i)]``
-    (keys in group order), e.g. EM-LLM's representative-token scores.
 
-    Raises:
-      ValueError: num_heads is not a multiple of num_kv_heads.
-    """
-    logits = jnp.concatenate([_group_logits(q, k, m) for q, k, _, m in groups], axis=-1)
-    weights = jax.nn.softmax(logits, axis=-1)
+def _dense_joint(groups, return_weights):
+    masks = [_dense_mask(m) for _, _, _, m in groups]
+    logits = jnp.concatenate([_group_logits(q, k, m) for (q, k, _, _), m in zip(groups, masks)], axis=-1)
+    mask = jnp.concatenate(masks, axis=-1)[:, None, None]
+    weights = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
     v = jnp.concatenate([g[2] for g in groups], axis=1)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = einops.rearrange(out, "b q h g d -> b q (h g) d").astype(groups[0][0].dtype)
     return (out, weights) if return_weights else out
 
 
-def attend(q, k, v, mask) -> jnp.ndarray:
+def _merge_lse(outs, lses):
+    """Exact joint softmax of groups attended separately: ``out [b, q, H, d]``, ``lse [b, kvh, g, q]``."""
+    lse = jax.nn.logsumexp(jnp.stack(lses), axis=0)
+    out = 0.0
+    for o, l in zip(outs, lses):
+        w = einops.rearrange(jnp.exp(l - lse), "b h g q -> b q (h g) 1")
+        out = out + w * o.astype(jnp.float32)
+    return out.astype(outs[0].dtype)
+
+
+def attend_joint(groups, *, return_weights: bool = False, impl: str = "auto"):
+    """One softmax over the concatenated logits of ``groups = [(q, k, v, mask), ...]``.
+
+    Shapes per group: q ``[batch, q_len, num_heads, head_dim]`` (rotated), k/v
+    ``[batch, kv_len_i, num_kv_heads, head_dim]`` (k rotated), mask a ``MaskSpec`` or bool
+    ``[batch, q_len, kv_len_i]``. Returns ``[batch, q_len, num_heads, head_dim]`` in q's dtype; with
+    ``return_weights`` also the float32 attention weights ``[batch, num_kv_heads, heads_per_kv_head,
+    q_len, sum(kv_len_i)]`` (keys in group order), e.g. EM-LLM's representative-token scores.
+
+    ``return_weights`` or any dense mask runs the dense reference; otherwise ``impl`` (see module doc)
+    runs each group and the groups are merged by log-sum-exp (blockwise for more than one group).
+
+    Raises:
+      ValueError: num_heads is not a multiple of num_kv_heads, or an unknown ``impl``.
+    """
+    check_impl(impl)
+    if return_weights or not all(isinstance(m, MaskSpec) for *_, m in groups):
+        return _dense_joint(groups, return_weights)
+    q_len = groups[0][0].shape[1]
+    kv_len = sum(g[1].shape[1] for g in groups)
+    chosen = resolve_impl(impl, q_len, kv_len)
+    if chosen == "dense":
+        return _dense_joint(groups, False)
+    if len(groups) == 1:
+        q, k, v, spec = groups[0]
+        if chosen == "cudnn":
+            return kernels.cudnn_or_blockwise(q, k, v, spec)
+        if chosen == "splash":
+            return kernels.splash_or_blockwise(q, k, v, spec)
+        return blockwise_attention(q, k, v, spec)[0]
+    outs, lses = zip(*(blockwise_attention(q, k, v, spec) for q, k, v, spec in groups))
+    return _merge_lse(outs, lses)
+
+
+def attend(q, k, v, mask, *, impl: str = "auto") -> jnp.ndarray:
     """Grouped-query attention ``softmax(q·kᵀ/√head_dim + mask)·v``.
 
     q ``[batch, q_len, num_heads, head_dim]``, k/v ``[batch, kv_len, num_kv_heads, head_dim]``,
-    mask bool ``[batch, q_len, kv_len]`` -> ``[batch, q_len, num_heads, head_dim]``.
+    mask a ``MaskSpec`` (any ``impl``) or bool ``[batch, q_len, kv_len]`` (dense path)
+    -> ``[batch, q_len, num_heads, head_dim]`` in q's dtype.
     """
-    return attend_joint([(q, k, v, mask)])
+    return attend_joint([(q, k, v, mask)], impl=impl)

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Implementations ``model.attention.attend`` dispatches on.
+ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "splash")
 
 
 class _HashableDict(dict):
@@ -45,6 +47,9 @@ class ModelConfig:
         ``"full_attention"`` or ``"sliding_attention"`` (HF ``layer_types``; Qwen2 ``max_window_layers``).
       dtype: compute dtype of activations and matmuls.
       param_dtype: storage dtype of parameters.
+      attention_impl: ``"auto" | "dense" | "blockwise" | "cudnn" | "splash"`` (``model.attention``):
+        ``auto`` picks cuDNN on GPU, splash on TPU, dense or blockwise on CPU by length; ``dense`` is
+        the reference. Not part of the architecture (``fingerprint`` ignores it).
     """
 
     vocab_size: int = 512
@@ -66,6 +71,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -87,6 +93,9 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; valid: {SUPPORTED_DTYPES}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r} is not supported; "
+                             f"valid: {ATTENTION_IMPLS}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -128,7 +137,8 @@ class ModelConfig:
 
     def fingerprint(self) -> str:
         """A stable string identifying the architecture (for cache keys)."""
-        return repr(sorted(self.to_dict().items()))
+        arch = {k: v for k, v in self.to_dict().items() if k != "attention_impl"}
+        return repr(sorted(arch.items()))
 
     @classmethod
     def tiny(cls, **overrides) -> "ModelConfig":

