@@ -191,9 +191,15 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[Model
     return cfg, model, arch
 
 
+HF_KIND = "rag_jax.hf_model"
+
+
 def save_hf(model: Transformer, path: str | os.PathLike, arch: str = "LlamaForCausalLM", *,
-            max_shard_bytes: int = 2 * 1024**3) -> Path:
+            max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> Path:
     """Export ``model`` as an HF checkpoint folder (atomically: written to a temp folder, then renamed).
+
+    ``rag_jax.atomic.replace_directory`` rules: an earlier export at ``path`` is replaced; a folder with
+    other files (or another rag_jax artifact unless ``overwrite``) raises ``TargetExistsError``.
 
     Tensors larger than ``max_shard_bytes`` in total are split across ``model-0000i-of-0000n.safetensors``
     files with a ``model.safetensors.index.json``. Raises ValueError for unsupported ``arch``.
@@ -215,7 +221,7 @@ def save_hf(model: Transformer, path: str | os.PathLike, arch: str = "LlamaForCa
             size = 0
         shards[-1][name] = tensors[name]
         size += nbytes
-    with replace_directory(path) as tmp:
+    with replace_directory(path, HF_KIND, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, arch), indent=2))
         if len(shards) == 1:
             save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})

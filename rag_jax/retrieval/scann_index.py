@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rag_jax.atomic import check_target
 from rag_jax.retrieval.exact import ExactIndex, _load_store
 from rag_jax.retrieval.index import VectorIndex, check_k, check_vectors
 from rag_jax.retrieval.storage import atomic_directory, read_manifest
@@ -319,16 +320,21 @@ class ScannIndex(VectorIndex):
         return self.tuning
 
     # -- persistence ------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
         """Write vectors, ids, the ScaNN searcher (``relative_path=True``) and a manifest, atomically.
 
-        Builds the searcher first if needed, so ``load`` never retrains. Raises ValueError if empty.
+        Builds the searcher first if needed, so ``load`` never retrains. ``path`` may hold an earlier
+        ScaNN index (replaced); anything else is refused (``storage.atomic_directory``).
+
+        Raises:
+          ValueError: the index is empty; ``TargetExistsError`` (a ValueError) for a refused ``path``.
         """
+        check_target(path, FORMAT, overwrite=overwrite)
         if self._stale():
             self.build()
         meta = {"dim": self.dim, "size": len(self), "config": dataclasses.asdict(self.config),
                 "params": self.params, "built_size": self._built_size, "tuning": self.tuning}
-        with atomic_directory(path, FORMAT, meta) as tmp:
+        with atomic_directory(path, FORMAT, meta, overwrite=overwrite) as tmp:
             np.save(tmp / "vectors.npy", self.store.vectors)
             np.save(tmp / "ids.npy", self.store.ids)
             (tmp / "scann").mkdir()

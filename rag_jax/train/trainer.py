@@ -186,7 +186,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     graphdef, state, shardings = step_lib.init_train_state(r.model_cfg, r.tx, r.mesh, seed=tc.seed,
                                                            remat_policy=tc.remat_policy, rules=cfg.rules)
     train_iter = iter(r.dataset("train", shuffle=True))
-    checkpointer = ckpt_lib.Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
+    checkpointer = (ckpt_lib.Checkpointer(cfg.checkpoint, fingerprint=ckpt_lib.run_fingerprint(cfg))
+                    if cfg.checkpoint.dir else None)
     if checkpointer is not None:
         restored = checkpointer.restore_latest(ckpt_lib.abstract_with_shardings(state, shardings), train_iter)
         if restored is not None:
