@@ -252,7 +252,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        reason = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({where}{reason})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from rag_jax.atomic import replace_directory
+from rag_jax.atomic import recover, replace_directory
 from rag_jax.model.config import ModelConfig
 from rag_jax.model.transformer import Transformer
 
@@ -152,6 +152,7 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[Model
         (names the tensor and both shapes).
     """
     path = Path(path)
+    recover(path)  # finish or undo a save_hf that was killed mid-swap
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path / 'config.json'} not found (expected an HF checkpoint folder)")
     hf_cfg = json.loads((path / "config.json").read_text())
