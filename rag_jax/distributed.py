@@ -161,11 +161,16 @@ def _exit_with(message: str) -> None:
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: receive SIGKILL when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+# Runs `argv[2:]` after asking the kernel to SIGKILL it when the launcher (pid argv[1]) dies
+# (Linux prctl PR_SET_PDEATHSIG = 1; kept across exec). A wrapper, not preexec_fn: preexec_fn runs Python
+# in the forked child of a multithreaded (JAX) parent, which can deadlock.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
 
 def _kill_groups(procs: list[subprocess.Popen], sig: int) -> None:
@@ -260,8 +265,8 @@ def launch_local(argv: list[str], num_processes: int, devices_per_process: int, 
                 logs.append((out_path, err_path))
                 child_env = dict(base_env, **{ENV_PROCESS_ID: str(pid)})
                 with open(out_path, "wb") as out, open(err_path, "wb") as err:
-                    procs.append(subprocess.Popen(argv, env=child_env, stdout=out, stderr=err,
-                                                  start_new_session=True, preexec_fn=_die_with_parent))
+                    procs.append(subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv],
+                                                  env=child_env, stdout=out, stderr=err, start_new_session=True))
             deadline = time.monotonic() + timeout_s
             timed_out = False
             while True:
