@@ -2,7 +2,7 @@
 leave the disk unchanged; writers never remove foreign data and recover interrupted swaps; resume checks
 what it resumes; SIGKILL during index and HF saves loses nothing; a dead peer ends its survivors.
 
-The 10-point kill campaign (training and saves) is a script: ``python tests/kill_campaign.py``.
+The 10-point kill campaign (training and saves) is a script: ``python -m tests.kill_campaign``.
 """
 import contextlib
 from functools import partial
@@ -33,6 +33,8 @@ from rag_jax.retrieval.corpus import Corpus
 from rag_jax.retrieval.exact import ExactIndex
 from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
 from rag_jax.train import checkpoint as ckpt_lib
+
+from kill_campaign import kill_during_save
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelConfig.tiny(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, max_seq_len=64)
@@ -422,65 +424,8 @@ def test_gold_emptied_by_normalization_falls_back_to_light_normalization():
 
 
 # ---------------------------------------------------------------------------------------------
-# SIGKILL during saves (a child process pauses at a chosen point and is killed there).
-
-KILL_CHILD = r"""
-import os, sys, time
-import numpy as np
-point, path, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-import rag_jax.atomic as atomic
-_rename = os.rename
-def pause():
-    print("PAUSED", flush=True)
-    time.sleep(120)
-def rename(src, dst):
-    _rename(src, dst)
-    if point == "between_renames" and ".old-" in str(dst):
-        pause()
-os.rename = rename
-if point == "mid_write":
-    _save = np.save
-    def save(f, *a, **k):
-        _save(f, *a, **k)
-        pause()
-    np.save = save
-    import safetensors.numpy  # noqa: F401
-if sys.argv[4] == "index":
-    from rag_jax.retrieval.scann_index import ScannIndex
-    index = ScannIndex(8)
-    index.add(np.random.default_rng(seed).normal(size=(300, 8)).astype(np.float32), np.arange(300))
-    index.save(path)
-else:
-    from flax import nnx
-    from rag_jax.model import ModelConfig
-    from rag_jax.model.hf import save_hf
-    from rag_jax.model.transformer import Transformer
-    cfg = ModelConfig.tiny(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, max_seq_len=64)
-    if point == "mid_write":
-        import rag_jax.model.hf as hf
-        _sf = hf.save_file
-        def sf(*a, **k):
-            _sf(*a, **k)
-            pause()
-        hf.save_file = sf
-    save_hf(Transformer(cfg, rngs=nnx.Rngs(seed)), path)
-print("DONE", flush=True)
-"""
-
-
-def kill_during_save(kind: str, point: str, path: Path, seed: int) -> None:
-    """Run the save of ``kind`` ("index"/"hf") in a child and SIGKILL it at ``point``."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    p = subprocess.Popen([sys.executable, "-c", KILL_CHILD, point, str(path), str(seed), kind], stdout=subprocess.PIPE,
-                         text=True, env=env)
-    try:
-        line = p.stdout.readline().strip()
-        assert line == "PAUSED", line
-        p.send_signal(signal.SIGKILL)
-    finally:
-        p.kill()
-        p.wait()
-
+# SIGKILL during saves (a child process pauses at a chosen point and is killed there; all 10 points:
+# tests/kill_campaign.py).
 
 @pytest.mark.parametrize("kind,point", [("index", "between_renames"), ("hf", "mid_write")])
 def test_sigkill_during_save_loses_nothing(kind, point, tmp_path, model):
