@@ -145,7 +145,8 @@ def save_point(kind: str, point: str, work: Path) -> tuple[bool, str]:
 
 
 KILL_DRIVER = """
-import os, signal, sys
+import logging, os, signal, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # before orbax/absl
 from rag_jax.train import checkpoint
 at = int(os.environ["KILL_AT"])
 _save = checkpoint.Checkpointer.save
@@ -182,16 +183,23 @@ def training_points(work: Path) -> list[tuple[str, bool, str]]:
         cmd = [sys.executable, "-m", "train.train", *argv] if kill_at is None else \
             [sys.executable, "-c", KILL_DRIVER, *argv]
         run_env = dict(env, KILL_AT=str(kill_at or 0), KILL_BEFORE="1" if before else "0")
-        return subprocess.run(cmd, env=run_env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+        done = subprocess.run(cmd, env=run_env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+        with open(work / f"{name}.stderr", "a") as f:
+            f.write(done.stderr)
+        return done
 
     def losses(name):
         rows = [json.loads(line) for line in (work / name / "run" / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
-    def params(name):
-        import orbax.checkpoint as ocp
-        tree = ocp.StandardCheckpointer().restore(work / name / "ckpt" / "20" / "state")
+    def params(name):  # the step-20 parameters, restored onto this process's first device
         import jax
+        import orbax.checkpoint as ocp
+        path = work / name / "ckpt" / "20" / "state"
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                              ocp.StandardCheckpointHandler().metadata(path))
+        tree = ocp.StandardCheckpointer().restore(path, target)
         return [np.asarray(x) for x in jax.tree.leaves(tree["params"])]
 
     ref = run("ref")
@@ -225,12 +233,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="work folder (default: a temporary one, removed afterwards)")
     p.add_argument("--skip-training", action="store_true")
+    p.add_argument("--skip-saves", action="store_true")
     args = p.parse_args(argv)
     work = Path(args.out or tempfile.mkdtemp(prefix="rag_jax_kill_"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     try:
-        for kind, point in POINTS:
+        for kind, point in [] if args.skip_saves else POINTS:
             ok, what = save_point(kind, point, work)
             rows.append((f"{kind} save: {point}", ok, what))
             print(f"| {rows[-1][0]} | {'ok' if ok else 'FAIL'} | {what} |", flush=True)

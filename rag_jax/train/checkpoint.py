@@ -13,7 +13,7 @@ Resume checks what it resumes:
 - a checkpoint whose array shapes differ from the model being restored is a one-line ValueError
   naming the first differing parameter, never mistaken for damage;
 - ``LOCK`` (an ``fcntl.flock``, released when the process dies) keeps a second run out of a folder
-  in use: it gets a one-line RuntimeError instead of a mixed result.
+  in use: it gets a one-line ``CheckpointError`` instead of a mixed result.
 """
 from __future__ import annotations
 
@@ -52,6 +52,11 @@ class CheckpointConfig:
     def __post_init__(self):
         if self.save_every < 1 or self.keep < 1:
             raise ValueError(f"checkpoint.save_every={self.save_every} and checkpoint.keep={self.keep} must be >= 1")
+
+
+class CheckpointError(RuntimeError, ValueError):
+    """The checkpoint folder cannot be used (locked by another run, or no step readable). A RuntimeError,
+    and a ValueError so that CLIs reporting user errors as one line report it too."""
 
 
 FINGERPRINT = "run_fingerprint.json"
@@ -107,7 +112,7 @@ def _lock(folder: Path) -> None:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise RuntimeError(f"checkpoint folder {folder} is in use by another run ({holder}); wait for it to "
+        raise CheckpointError(f"checkpoint folder {folder} is in use by another run ({holder}); wait for it to "
                            "finish or set checkpoint.dir to another folder") from None
     f.seek(0)
     f.truncate()
@@ -134,7 +139,7 @@ class Checkpointer:
       fingerprint: ``run_fingerprint(run_cfg)``; stored on first use and compared on later ones.
 
     Raises:
-      RuntimeError: the (local) folder is locked by another live process.
+      CheckpointError: the (local) folder is locked by another live process.
       ValueError: ``fingerprint`` differs from the stored one (the message lists the differing keys)
         and ``cfg.allow_config_mismatch`` is False.
     """
@@ -243,7 +248,7 @@ class Checkpointer:
 
         Raises:
           ValueError: the newest step holds another model config (one line; nothing renamed).
-          RuntimeError: checkpoints exist but none can be read (one line per step; nothing renamed).
+          CheckpointError: checkpoints exist but none can be read (one line; nothing renamed).
         """
         steps = self.all_steps()
         errors, damaged = [], []
@@ -263,7 +268,7 @@ class Checkpointer:
                 self._set_aside(damaged)
             return step, state
         if errors:
-            raise RuntimeError(f"no readable checkpoint in {self.cfg.dir}: " + "; ".join(errors) +
+            raise CheckpointError(f"no readable checkpoint in {self.cfg.dir}: " + "; ".join(errors) +
                                " (move the damaged step folders away or use another checkpoint.dir)")
         return None
 
