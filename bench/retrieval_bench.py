@@ -16,8 +16,8 @@ QPS = queries / median search time over ``--repeats`` runs (all queries in one b
 wrapper runs interleaved).
 ``wrapper/raw`` compares our wrapper's QPS with raw ScaNN at the same parameters.
 
-Example: ``python bench/retrieval_bench.py --sizes 100000 1000000`` (the issue's sizes; the default
-is small so it finishes in about a minute).
+Example: ``python -m bench.retrieval_bench --sizes 100000 1000000`` (from the repository root; the issue's
+sizes; the default is small so it finishes in about a minute).
 """
 from __future__ import annotations
 
@@ -25,16 +25,13 @@ import argparse
 import gzip
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rag_jax.retrieval.exact import ExactIndex  # noqa: E402
-from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex  # noqa: E402
+from rag_jax.retrieval.exact import ExactIndex
+from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
 
 NQ_ORACLE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "lost_in_the_middle" / \
     "nq-open-oracle.jsonl.gz"
@@ -122,6 +119,7 @@ def bench(name: str, db: np.ndarray, queries: np.ndarray, args) -> list[dict]:
     ex.search(queries, k)  # compile for this batch size
     (_, found), t = timed(lambda: ex.search(queries, k), args.repeats)
     rows.append({"method": "exact jax", "build_s": build, "search_s": t, "recall": recall_at(found, truth)})
+    del ex  # its host and device copies of the database
 
     for label, cfg in (("auto", ScannConfig(num_neighbors=k)),
                        (f"target_recall={args.target_recall}", ScannConfig(num_neighbors=k,

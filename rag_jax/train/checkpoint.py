@@ -215,7 +215,7 @@ class Checkpointer:
             return
         want, have = _shapes(abstract_state), _shapes(saved)
         where = f"checkpoint step {step} in {self.cfg.dir}"
-        for key in sorted(set(want) | set(have)):
+        for key in sorted(set(want) | set(have), key=lambda k: (not k.startswith("params"), k)):
             if key not in have or key not in want:
                 what = (f"this model's {key} is missing from the checkpoint" if key not in have else
                         f"the checkpoint holds {key}, which this model lacks")
