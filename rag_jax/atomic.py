@@ -11,11 +11,11 @@ marker (or, for folders from before markers, ``manifest.json``'s ``format``) nam
 holding files of its own (``notes.txt``, a transformers export), or another kind of artifact is refused
 with a one-line ``TargetExistsError`` (a FileExistsError and a ValueError) naming the path and what is there.
 
-Interrupted swaps: the swap is two renames (``path`` -> ``.<name>.old-<pid>-<hex>``, then tmp -> ``path``).
+Interrupted swaps: the swap is two renames (``path`` -> ``.<name>.old-<pid>@<host>-<hex>``, then tmp -> ``path``).
 ``recover(path)`` (run before every write and by ``read_manifest``) finishes an interrupted swap: when
 ``path`` is missing it promotes the newest complete temporary folder (one holding the marker) or else
 moves the old folder back; leftovers of dead writers (``.tmp-*`` / ``.old-*`` whose process is gone) are
-removed. Folders of live writers (another process in this machine still running) are left alone.
+removed. Folders of live writers (a process still running here, or any writer on another host) are left alone.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -70,16 +71,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _writer_tag() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
 def _leftovers(path: Path, what: str) -> list[tuple[Path, bool]]:
-    """``(folder, writer alive)`` for ``.<name>.<what>-<pid>-<hex>`` siblings of ``path``."""
+    """``(folder, writer alive)`` for ``.<name>.<what>-<pid>@<host>-<hex>`` siblings of ``path``. A writer
+    on another host (shared file system) counts as alive: its process cannot be checked from here."""
     out = []
     if not path.parent.is_dir():
         return out
     prefix = f".{path.name}.{what}-"
     for p in path.parent.iterdir():
         if p.name.startswith(prefix) and p.is_dir():
-            pid = p.name[len(prefix):].split("-")[0]
-            out.append((p, _pid_alive(int(pid)) if pid.isdigit() else False))
+            pid, _, host = p.name[len(prefix):].rpartition("-")[0].partition("@")
+            if host and host != socket.gethostname():
+                out.append((p, True))
+            else:
+                out.append((p, _pid_alive(int(pid)) if pid.isdigit() else False))
     return out
 
 
@@ -158,7 +167,7 @@ def replace_directory(path: str | os.PathLike, kind: str = "rag_jax.folder", *,
     recover(path)
     check_target(path, kind, overwrite=overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = path.parent / f".{path.name}.tmp-{_writer_tag()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
@@ -167,7 +176,7 @@ def replace_directory(path: str | os.PathLike, kind: str = "rag_jax.folder", *,
         check_target(path, kind, overwrite=overwrite)  # another process may have written meanwhile
         old = None
         if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            old = path.parent / f".{path.name}.old-{_writer_tag()}-{uuid.uuid4().hex[:8]}"
             os.rename(path, old)
         os.rename(tmp, path)
         if old is not None:

@@ -30,6 +30,8 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from rag_jax.atomic import write_text
+
 log = logging.getLogger(__name__)
 
 
@@ -188,8 +190,12 @@ class Checkpointer:
         if self.all_steps():
             log.warning("checkpoint folder %s has steps but no %s (older rag_jax); recording this run's",
                         self.cfg.dir, FINGERPRINT)
-        if jax.process_index() == 0:
-            path.write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
+        if jax.process_index() == 0:  # atomic: other processes may be reading it
+            text = json.dumps(fingerprint, indent=1, sort_keys=True)
+            if self._local is not None:
+                write_text(self._local / FINGERPRINT, text)
+            else:
+                path.write_text(text)
 
     def save(self, step: int, state: Any, data_iter: grain.DatasetIterator | None = None, *,
              force: bool = False) -> bool:
