@@ -284,7 +284,9 @@ class Checkpointer:
             for step in steps:
                 src = self.manager.directory / str(step)
                 if src.exists():
-                    dst = src.parent / f"{step}.damaged-{stamp}"
+                    dst, i = src.parent / f"{step}.damaged-{stamp}", 1
+                    while dst.exists():
+                        dst, i = src.parent / f"{step}.damaged-{stamp}-{i}", i + 1
                     src.rename(dst)
                     log.warning("set aside damaged checkpoint step %d as %s", step, dst)
         self.manager.reload()
