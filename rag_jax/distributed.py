@@ -17,6 +17,7 @@ exit code 1. A process that exits normally marks itself ``exit`` first, so it is
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import socket
@@ -77,7 +78,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id)
     from jax._src import distributed as jax_distributed  # the coordination-service client (no public handle)
-    PeerWatchdog(jax_distributed.global_state.client, process_id, num_processes, timeout_s).start()
+    client = getattr(jax_distributed.global_state, "client", None)
+    if all(hasattr(client, m) for m in ("key_value_set", "key_value_dir_get")):
+        PeerWatchdog(client, process_id, num_processes, timeout_s).start()
+    else:  # a JAX without this client API: peers fail at JAX's own heartbeat timeout instead
+        logging.getLogger(__name__).warning("no coordination-service client; the peer watchdog is off")
 
 
 def _env_float(name: str, default: float) -> float:
