@@ -4,7 +4,7 @@ Each component owns a frozen dataclass next to its code (``MeshConfig`` in shard
 ``OptimizerConfig`` in train/optim.py, ...); a run config nests them. ``load_config(cls, yaml_path,
 overrides)`` builds it from defaults <- YAML <- overrides (dotted keys, e.g. ``optimizer.learning_rate=1e-3``)
 and rejects, with the dotted key in the message: unknown keys (with the closest valid name), values of
-the wrong type, a key given twice (in one YAML mapping or among the overrides), and malformed overrides.
+the wrong type (a float field must be finite: NaN/inf are rejected; an int field takes no fractions), a key given twice (in one YAML mapping or among the overrides), and malformed overrides.
 A section whose class is ``ModelConfig`` accepts ``preset: <name>`` to start from a model preset
 (the MaxText pattern of a base config plus a model file; research note jax_frameworks.md section 1.1).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -101,23 +102,20 @@ def _coerce(value: Any, tp, key: str, from_string: bool) -> Any:
             try:
                 return int(value.replace("_", ""))
             except ValueError:
-                raise ConfigError(f"{key}={value!r} must be an int") from None
+                raise ConfigError(f"{key}={value!r} must be an integer (e.g. 100), not a fraction or text") from None
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}={value!r} must be an int, got {type(value).__name__}")
         return value
     if tp is float:
-        if from_string:
+        if from_string or isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise ConfigError(f"{key}={value!r} must be a float") from None
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r} must be a float, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number (NaN and infinity are not allowed)")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -254,7 +252,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        reason = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({where}{reason})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -6,6 +6,11 @@ Definitions (research note ``shared/research/retrieval_eval.md`` §2 "Shared met
   Middle): lowercase, drop ``string.punctuation``, replace the words a/an/the by a space, collapse
   whitespace.
 * ``exact_match`` / ``f1_score`` (token F1): SQuAD, maximum over the gold answers.
+* Empty-gold fallback (ours, not in the SQuAD script): when normalization empties a gold answer (an
+  answer that is only an article or punctuation, e.g. "A" or "?"), that gold answer and the prediction
+  are compared lowercased with whitespace collapsed only (``light_normalize``). The SQuAD script would
+  compare "" with "" and score any prediction that normalizes to "" as correct (and best-subspan EM
+  would find "" in every prediction); best-subspan EM then needs the gold as whole tokens of the prediction.
 * ``best_subspan_em``: a normalized gold answer is a substring of the normalized prediction (Lost in
   the Middle, ``src/lost_in_the_middle/metrics.py``).
 * ``phantom_set_metrics``: PhantomWiki's score (``phantom_eval/score.py``): split prediction and gold
@@ -23,7 +28,7 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 
 __all__ = [
-    "normalize_answer", "exact_match", "f1_score", "best_subspan_em", "normalize_set",
+    "normalize_answer", "light_normalize", "exact_match", "f1_score", "best_subspan_em", "normalize_set",
     "phantom_set_metrics", "recall_at_k", "hit_at_k",
 ]
 
@@ -35,6 +40,24 @@ def normalize_answer(s: str) -> str:
     """SQuAD normalization: lowercase, strip punctuation, replace articles by spaces, collapse whitespace."""
     s = "".join(ch for ch in s.lower() if ch not in _PUNCT)
     return " ".join(_ARTICLES.sub(" ", s).split())
+
+
+def light_normalize(s: str) -> str:
+    """Lowercase and collapse whitespace only: the comparison used when ``normalize_answer`` empties a gold."""
+    return " ".join(s.lower().split())
+
+
+def _pairs(prediction: str, golds: str | Sequence[str]) -> list[tuple[str, str, bool]]:
+    """(prediction, gold, fallback) per gold answer: both SQuAD-normalized, or both ``light_normalize``d
+    (fallback True) when the gold normalizes to "" (module docstring, empty-gold fallback)."""
+    _check_pred(prediction)
+    p = normalize_answer(prediction)
+    out = []
+    for g in _golds(golds):
+        ng = normalize_answer(g)
+        fallback = not ng and bool(g.strip())
+        out.append((light_normalize(prediction), light_normalize(g), True) if fallback else (p, ng, False))
+    return out
 
 
 def _golds(golds: str | Sequence[str]) -> list[str]:
@@ -58,9 +81,7 @@ def exact_match(prediction: str, golds: str | Sequence[str]) -> float:
 
     Raises TypeError / ValueError for a non-str prediction or an empty gold list.
     """
-    _check_pred(prediction)
-    p = normalize_answer(prediction)
-    return float(any(p == normalize_answer(g) for g in _golds(golds)))
+    return float(any(p == g for p, g, _ in _pairs(prediction, golds)))
 
 
 def _token_f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
@@ -75,16 +96,13 @@ def _token_f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
 
 def f1_score(prediction: str, golds: str | Sequence[str]) -> float:
     """SQuAD token F1 over normalized whitespace tokens (bag of tokens), maximum over gold answers."""
-    _check_pred(prediction)
-    p = normalize_answer(prediction).split()
-    return max(_token_f1(p, normalize_answer(g).split()) for g in _golds(golds))
+    return max(_token_f1(p.split(), g.split()) for p, g, _ in _pairs(prediction, golds))
 
 
 def best_subspan_em(prediction: str, golds: str | Sequence[str]) -> float:
     """1.0 when some normalized gold answer is a substring of the normalized prediction (Lost in the Middle)."""
-    _check_pred(prediction)
-    p = normalize_answer(prediction)
-    return float(any(normalize_answer(g) in p for g in _golds(golds)))
+    # fallback golds ("a", "?") must match whole tokens: "a" is not a hit inside "paris"
+    return float(any((f" {g} " in f" {p} ") if fallback else g in p for p, g, fallback in _pairs(prediction, golds)))
 
 
 def normalize_set(answer: str | Sequence[str], sep: str = ",") -> set[str]:

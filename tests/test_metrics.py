@@ -34,7 +34,8 @@ def test_f1_score():
     # bag of tokens: red x2 vs red x1 -> same = 1 red + 1 blue = 2, P = R = 2/3
     assert f1_score("red red blue", "red blue blue") == pytest.approx(2 / 3)
     assert f1_score("nothing shared", "other words") == 0.0
-    assert f1_score("the", "a") == 1.0  # both normalize to empty (SQuAD v2 convention)
+    assert f1_score("the", "a") == 0.0  # gold emptied by normalization: compared unnormalized (metrics docstring)
+    assert f1_score("A", "a") == 1.0
     assert f1_score("x", "the") == 0.0
     assert f1_score("Paris France", ["London", "paris"]) == pytest.approx(2 / 3)  # max: P 1/2, R 1
 

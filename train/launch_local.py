@@ -4,7 +4,9 @@
         --config train/configs/tiny.yaml data.data_dir=runs/tfds train.run_dir=runs/local
 
 This is how the multi-host tests run; it exercises jax.distributed, per-host data sharding and multi-process
-orbax checkpoints without a cluster.
+orbax checkpoints without a cluster. SIGTERM/SIGINT/SIGHUP are forwarded to the children, and no child
+outlives the launcher (``rag_jax.distributed.launch_local``). A failed job prints the error (each process's
+exit code and stderr tail) and exits 1.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 from rag_jax import distributed
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--devices_per_process", type=int, default=2)
@@ -22,11 +24,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments of python -m train.train (after --)")
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    results = distributed.launch_local([sys.executable, "-m", "train.train", *train_args], args.processes,
-                                       args.devices_per_process, args.timeout_s)
+    try:
+        results = distributed.launch_local([sys.executable, "-m", "train.train", *train_args], args.processes,
+                                           args.devices_per_process, args.timeout_s)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     for i, r in enumerate(results):
         print(f"--- process {i} ---\n{r.stdout}", end="")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -86,7 +86,7 @@ def raw_scann(db, k, params, cfg: ScannConfig):
         builder = builder.tree(params["num_leaves"], params["leaves_to_search"], training_sample_size=sample)
     if params["mode"] == "brute_force":
         return builder.score_brute_force().build()
-    return builder.score_ah(cfg.dims_per_block, anisotropic_quantization_threshold=cfg.anisotropic_threshold,
+    return builder.score_ah(cfg.dims_per_block, anisotropic_quantization_threshold=params["anisotropic_threshold"],
                             training_sample_size=sample).reorder(params["reorder"]).build()
 
 

@@ -49,13 +49,20 @@ def save_tokenizer(tok: Tokenizer, path: str | os.PathLike) -> Path:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load ``tokenizer.json`` from a file path or a checkpoint folder. Raises FileNotFoundError if absent."""
+    """Load ``tokenizer.json`` from a file path or a checkpoint folder.
+
+    Raises: FileNotFoundError if absent; ValueError (naming the file) if it is not a valid tokenizer.json.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.exists():
         raise FileNotFoundError(f"tokenizer file {path} not found")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception with serde's message
+        reason = (str(e).strip().splitlines() or ["unreadable"])[0][:200]
+        raise ValueError(f"tokenizer file {path} is not a valid tokenizer.json ({reason})") from None
 
 
 def byte_tokenizer() -> Tokenizer:

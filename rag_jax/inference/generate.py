@@ -8,6 +8,8 @@ positions continue after the prefix's last position in each row.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from typing import Sequence
 
 import jax
@@ -126,7 +128,11 @@ def _left_pad(prompts, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     tokens = np.full((len(prompts), width), pad_id, np.int32)
     segment_ids = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
-        tokens[i, width - len(p):] = p
+        ids = np.asarray(p)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt {i} holds non-integer token ids ({ids.dtype}, e.g. {ids.ravel()[0]!r}); "
+                             "token ids must be ints")
+        tokens[i, width - len(p):] = ids
         segment_ids[i, width - len(p):] = 1
     return tokens, segment_ids
 
@@ -155,10 +161,10 @@ def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.n
     cfg = nnx.merge(graphdef, state).config if isinstance(model, tuple) else model.config
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-    if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
-        raise ValueError(f"top_k={top_k} must be in [1, vocab_size={cfg.vocab_size}]")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= cfg.vocab_size):
+        raise ValueError(f"top_k={top_k!r} must be an int in [1, vocab_size={cfg.vocab_size}]")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
     tokens, segment_ids = _left_pad(prompts, pad_id=0)

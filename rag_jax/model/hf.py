@@ -19,7 +19,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from rag_jax.atomic import replace_directory
+from rag_jax.atomic import recover, replace_directory
 from rag_jax.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
 from rag_jax.model.transformer import Transformer
 
@@ -257,6 +257,7 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[Model
         held by two files without an index, or its shape not matching the config (names the tensor).
     """
     path = Path(path)
+    recover(path)  # finish or undo a save_hf that was killed mid-swap
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path / 'config.json'} not found (expected an HF checkpoint folder)")
     hf_cfg = json.loads((path / "config.json").read_text())
@@ -277,12 +278,18 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[Model
     return cfg, model, arch
 
 
+HF_KIND = "rag_jax.hf_model"
+
+
 def save_hf(model: Transformer, path: str | os.PathLike, arch: str = "LlamaForCausalLM", *,
-            max_shard_bytes: int = 2 * 1024**3, extra_files: dict[str, str] | None = None) -> Path:
+            max_shard_bytes: int = 2 * 1024**3, extra_files: dict[str, str] | None = None,
+            overwrite: bool = False) -> Path:
     """Export ``model`` as an HF checkpoint folder (atomically: written to a temp folder, then renamed).
 
     ``extra_files`` (file name -> text) are written into the same folder in the same atomic step
     (``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``).
+    ``rag_jax.atomic.replace_directory`` rules: an earlier export at ``path`` is replaced; a folder with
+    other files (or another rag_jax artifact unless ``overwrite``) raises ``TargetExistsError``.
 
     Tensors larger than ``max_shard_bytes`` in total are split across ``model-0000i-of-0000n.safetensors``
     files with a ``model.safetensors.index.json``. Raises ValueError for unsupported ``arch``.
@@ -304,7 +311,7 @@ def save_hf(model: Transformer, path: str | os.PathLike, arch: str = "LlamaForCa
             size = 0
         shards[-1][name] = tensors[name]
         size += nbytes
-    with replace_directory(path) as tmp:
+    with replace_directory(path, HF_KIND, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, arch), indent=2))
         for fname, text in (extra_files or {}).items():
             (tmp / fname).write_text(text)

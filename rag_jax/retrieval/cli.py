@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from rag_jax.atomic import check_target
 from rag_jax.retrieval.corpus import Corpus
 from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
 from rag_jax.retrieval.exact import ExactIndex
@@ -63,6 +64,10 @@ def _merge(base: dict, update: dict, where: str = "") -> dict:
     return out
 
 
+def _first_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200]
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
     """YAML file + ``key=value`` overrides merged over ``DEFAULTS`` and validated.
 
@@ -71,7 +76,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
     """
     cfg = copy.deepcopy(DEFAULTS)
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"config file {path} not found")
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ValueError(f"config file {path} is not valid YAML ({_first_line(e)})") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"config {path} must be a YAML mapping")
         cfg = _merge(cfg, loaded)
@@ -83,7 +93,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
         if key in seen:
             raise ValueError(f"config key {key!r} is overridden twice")
         seen.add(key)
-        update = yaml.safe_load(raw)
+        try:
+            update = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {item!r}: the value is not valid YAML ({_first_line(e)})") from None
         for part in reversed(key.split(".")):
             update = {part: update}
         if key.startswith("index.scann."):  # merge into, not replace, the ScaNN mapping
@@ -97,10 +110,24 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
         raise ValueError(f"embedder.type={cfg['embedder']['type']!r}; valid: {EMBEDDERS}")
     if cfg["index"]["type"] not in INDEXES:
         raise ValueError(f"index.type={cfg['index']['type']!r}; valid: {sorted(INDEXES)}")
+    if not isinstance(cfg["index"]["scann"], dict):
+        raise ValueError(f"config key 'index.scann' must be a mapping; got {cfg['index']['scann']!r}")
     try:
         ScannConfig(**cfg["index"]["scann"])
     except TypeError as e:
         raise ValueError(f"index.scann: {e}; valid keys: {sorted(ScannConfig.__dataclass_fields__)}") from None
+    except ValueError as e:
+        raise ValueError(f"index.scann: {e}") from None
+    for key in ("chunk_tokens", "overlap"):
+        value = cfg["corpus"][key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"corpus.{key}={value!r} must be an integer{' or null' if key == 'chunk_tokens' else ''}")
+    for key in ("batch_size", "max_length"):
+        value = cfg["embedder"][key]
+        if (value is not None or key == "batch_size") and (isinstance(value, bool) or not isinstance(value, int)
+                                                           or value < 1):
+            raise ValueError(f"embedder.{key}={value!r} must be a positive integer"
+                             f"{' or null' if key == 'max_length' else ''}")
     return cfg
 
 
@@ -137,6 +164,7 @@ class _Instructed:
 def build(cfg: dict, *, progress: bool = True) -> Path:
     """Embed the corpus and build the index into ``cfg["output"]`` (atomic). Returns the output path."""
     ccfg, icfg = cfg["corpus"], cfg["index"]
+    check_target(cfg["output"], FORMAT)  # refuse a foreign output folder before any embedding
     docs = Corpus.read_documents(ccfg["path"], id_field=ccfg["id_field"], title_field=ccfg["title_field"],
                                  text_field=ccfg["text_field"])
     doc_embedder, _ = make_embedders(cfg["embedder"])
@@ -180,7 +208,18 @@ class Retriever:
         return hits
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; a user error (bad config, missing or corrupt file) prints one ``error:`` line to
+    stderr and returns 2 (no traceback)."""
+    try:
+        _main(argv)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"error: {_first_line(e)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _main(argv: list[str] | None) -> None:
     p = argparse.ArgumentParser(prog="python -m rag_jax.retrieval.cli", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -194,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("-k", type=int, default=5)
     q.add_argument("--json", action="store_true", help="print one JSON list of hits per question")
     args = p.parse_args(argv)
+    if args.command == "query" and args.k < 1:
+        raise ValueError(f"-k {args.k}: the number of hits must be >= 1")
     if args.command == "build":
         out = build(load_config(args.config, args.overrides), progress=not args.no_progress)
         print(f"built {out}")

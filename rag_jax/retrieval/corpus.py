@@ -148,31 +148,46 @@ class Corpus:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"corpus file {path} not found")
-        if path.suffix == ".json":
-            rows = json.loads(path.read_text())
-            if not isinstance(rows, list):
-                raise ValueError(f"{path}: a .json corpus must hold a list of objects")
-        else:
-            rows = []
-            with open(path) as f:
-                for line_no, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            rows.append(json.loads(line))
-                        except json.JSONDecodeError as e:
-                            raise ValueError(f"{path}:{line_no}: invalid JSON ({e})") from None
+        try:
+            if path.suffix == ".json":
+                try:
+                    rows = json.loads(path.read_text(encoding="utf-8"))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: invalid JSON ({e})") from None
+                if not isinstance(rows, list):
+                    raise ValueError(f"{path}: a .json corpus must hold a list of objects, not "
+                                     f"{type(rows).__name__}")
+            else:
+                rows = []
+                with open(path, encoding="utf-8") as f:
+                    for line_no, line in enumerate(f, 1):
+                        if line.strip():
+                            try:
+                                rows.append(json.loads(line))
+                            except json.JSONDecodeError as e:
+                                raise ValueError(f"{path}:{line_no}: invalid JSON ({e})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); a corpus is .jsonl or "
+                             ".json text") from None
+        if not rows:
+            raise ValueError(f"{path}: no documents (empty corpus file)")
         docs = []
         for row, r in enumerate(rows):
             if not isinstance(r, dict) or text_field not in r:
                 raise ValueError(f"{path}: record {row} has no {text_field!r} field (fields: "
                                  f"{sorted(r) if isinstance(r, dict) else type(r).__name__})")
+            if not isinstance(r[text_field], str):
+                raise ValueError(f"{path}: record {row} field {text_field!r} must be a string, got "
+                                 f"{type(r[text_field]).__name__} {r[text_field]!r:.40}")
             docs.append(Document(id=str(r[id_field]) if id_field and id_field in r else str(row),
                                  title=str(r.get(title_field, "") or "") if title_field else "", text=r[text_field]))
         return docs
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write ``documents.jsonl`` + ``chunks.jsonl`` + manifest atomically."""
-        with atomic_directory(path, FORMAT, {"documents": len(self.documents), "chunks": len(self)}) as tmp:
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+        """Write ``documents.jsonl`` + ``chunks.jsonl`` + manifest atomically (``storage.atomic_directory``:
+        an earlier corpus at ``path`` is replaced; foreign files or another artifact are refused)."""
+        meta = {"documents": len(self.documents), "chunks": len(self)}
+        with atomic_directory(path, FORMAT, meta, overwrite=overwrite) as tmp:
             with open(tmp / "documents.jsonl", "w") as f:
                 for d in self.documents:
                     f.write(json.dumps(dataclasses.asdict(d), ensure_ascii=False) + "\n")

@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import uuid
 import zlib
 from pathlib import Path
+
+from rag_jax.atomic import MARKER, recover, replace_directory
 
 MANIFEST = "manifest.json"
 _CRC_BLOCK = 1 << 24  # bytes read per step when checksumming
@@ -33,47 +33,30 @@ def _crc32(path: Path) -> int:
 def _file_table(root: Path) -> dict[str, dict[str, int]]:
     table = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
+        if p.is_file() and p.name not in (MANIFEST, MARKER):
             table[p.relative_to(root).as_posix()] = {"bytes": p.stat().st_size, "crc32": _crc32(p)}
     return table
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, fmt: str, meta: dict, version: int = 1):
+def atomic_directory(path: str | os.PathLike, fmt: str, meta: dict, version: int = 1, *, overwrite: bool = False):
     """Write a directory atomically: ``with atomic_directory(p, "rag_jax.x", meta) as tmp: <write into tmp>``.
 
-    ``meta`` is read when the block exits, so the block may still fill it in.
+    ``meta`` is read when the block exits, so the block may still fill it in. The swap, the recovery of
+    interrupted swaps and the refusal rules are ``rag_jax.atomic.replace_directory``'s, with ``fmt`` as
+    the artifact kind.
 
     Raises:
-      ValueError: ``path`` exists and is a non-empty directory that this module did not write (no
-        manifest) — it is never overwritten; or ``path`` is a file.
+      rag_jax.atomic.TargetExistsError (a ValueError): ``path`` is a file, holds files rag_jax did not write, or holds another format
+        (unless ``overwrite``) — it is never replaced then.
     """
-    path = Path(path).absolute()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} exists and is a file; expected a directory path to write to")
-    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():
-        raise ValueError(f"refusing to overwrite {path}: it is a non-empty directory without {MANIFEST} "
-                         "(not written by rag_jax); choose another path or remove it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with replace_directory(path, fmt, overwrite=overwrite) as tmp:
         yield tmp
         manifest = {"format": fmt, "version": version, "meta": meta, "files": _file_table(tmp)}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def read_manifest(path: str | os.PathLike, fmt: str, *, max_version: int = 1, verify: bool = True) -> dict:
@@ -85,6 +68,7 @@ def read_manifest(path: str | os.PathLike, fmt: str, *, max_version: int = 1, ve
         of the wrong size or (with ``verify``) the wrong CRC-32. The message names the file.
     """
     path = Path(path)
+    recover(path)
     if not path.is_dir():
         raise FileNotFoundError(f"index/corpus directory {path} does not exist")
     try:

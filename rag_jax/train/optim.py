@@ -35,8 +35,8 @@ class OptimizerConfig:
     grad_clip_norm: float = 1.0
 
     def __post_init__(self):
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate={self.learning_rate} must be > 0")
+        if not 0 < self.learning_rate < float("inf"):  # also rejects NaN (nan <= 0 is False)
+            raise ValueError(f"learning_rate={self.learning_rate} must be a finite number > 0")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:

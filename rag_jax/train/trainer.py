@@ -19,6 +19,7 @@ length) runs before anything is compiled.
 from __future__ import annotations
 
 import dataclasses
+import json
 import importlib
 import logging
 import math
@@ -316,7 +317,8 @@ def run(cfg: RunConfig, task: Task | None = None, *, init_params=None, mesh=None
 
     graphdef, state, shardings = step_lib.init_train_state(model_cfg, tx, mesh, seed=tc.seed, params=init_params,
                                                            remat_policy=tc.remat_policy, rules=cfg.rules)
-    checkpointer = ckpt_lib.Checkpointer(ckpt_cfg) if ckpt_cfg.dir else None
+    checkpointer = (ckpt_lib.Checkpointer(ckpt_cfg, fingerprint=_fingerprint(cfg, task, extra_config))
+                    if ckpt_cfg.dir else None)
     start = 0
     if checkpointer is not None:
         restored = checkpointer.restore_latest(ckpt_lib.abstract_with_shardings(state, shardings), task.data_iter)
@@ -395,6 +397,15 @@ def run(cfg: RunConfig, task: Task | None = None, *, init_params=None, mesh=None
     writer.close()
     history = writer.history("train/")
     return TrainResult(graphdef, state, history, evals, train_s, compile_s, start)
+
+
+def _fingerprint(cfg: RunConfig, task: Task, extra_config: dict | None) -> dict:
+    """The run's identity for resume checks (``checkpoint.run_fingerprint``): for a task other than the LM task,
+    its name and the caller's config sections stand for ``data`` and ``objective``."""
+    fp = ckpt_lib.run_fingerprint(cfg)
+    if task.data_iter is None:  # not the LM dataset of cfg.data
+        fp.update(objective=task.name, data=json.loads(json.dumps(extra_config or {}, default=str)))
+    return fp
 
 
 def _seq_len(batch: dict) -> int:
