@@ -21,7 +21,7 @@ keys, values parsed as YAML, e.g. ``index.type=exact corpus.chunk_tokens=128``):
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -37,31 +37,77 @@ from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
 from rag_jax.retrieval.storage import atomic_directory, read_manifest
 
 FORMAT = "rag_jax.retrieval_build"
-DEFAULTS = {
-    "corpus": {"path": None, "id_field": "id", "title_field": "title", "text_field": "text",
-               "chunk_tokens": None, "overlap": 0},
-    "embedder": {"type": "minilm", "path": None, "max_length": None, "batch_size": 64, "tokenizer": None,
-                 "query_instruction": ""},
-    "index": {"type": "scann", "scann": {}, "shard_min_rows": 262_144},
-    "output": None,
-}
 EMBEDDERS = ("minilm", "bert", "grit")
 INDEXES = {"exact": ExactIndex, "scann": ScannIndex}
 
 
-def _merge(base: dict, update: dict, where: str = "") -> dict:
-    out = copy.deepcopy(base)
-    for key, value in update.items():
-        name = f"{where}{key}"
-        if key not in base:
-            raise ValueError(f"unknown config key {name!r}; valid keys here: {sorted(base)}")
-        if isinstance(base[key], dict) and key != "scann":
-            if not isinstance(value, dict):
-                raise ValueError(f"config key {name!r} must be a mapping; got {value!r}")
-            out[key] = _merge(base[key], value, f"{name}.")
-        else:
-            out[key] = value
-    return out
+@dataclasses.dataclass(frozen=True)
+class CorpusSection:
+    """Attributes: path (.jsonl lines or a .json list; required), the id/title/text field names,
+    chunk_tokens (None = one chunk per document) and overlap (tokens)."""
+
+    path: str | None = None
+    id_field: str = "id"
+    title_field: str = "title"
+    text_field: str = "text"
+    chunk_tokens: int | None = None
+    overlap: int = 0
+
+    def __post_init__(self):
+        if (self.chunk_tokens is not None and self.chunk_tokens < 1) or self.overlap < 0:
+            raise ValueError(f"corpus.chunk_tokens={self.chunk_tokens!r} must be >= 1 or null and "
+                             f"corpus.overlap={self.overlap!r} >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedderSection:
+    """Attributes: type (``minilm`` | ``bert`` | ``grit``), path (HF folder; None = the MiniLM package),
+    max_length (tokens), batch_size, tokenizer (tokenizer.json, grit), query_instruction (grit)."""
+
+    type: str = "minilm"
+    path: str | None = None
+    max_length: int | None = None
+    batch_size: int = 64
+    tokenizer: str | None = None
+    query_instruction: str = ""
+
+    def __post_init__(self):
+        if self.type not in EMBEDDERS:
+            raise ValueError(f"embedder.type={self.type!r}; valid: {EMBEDDERS}")
+        for key in ("batch_size", "max_length"):
+            value = getattr(self, key)
+            if (value is not None or key == "batch_size") and (value is None or value < 1):
+                raise ValueError(f"embedder.{key}={value!r} must be a positive integer"
+                                 f"{' or null' if key == 'max_length' else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSection:
+    """Attributes: type (``scann`` | ``exact``), scann (``ScannConfig``), shard_min_rows (exact index)."""
+
+    type: str = "scann"
+    scann: ScannConfig = dataclasses.field(default_factory=ScannConfig)
+    shard_min_rows: int = 262_144
+
+    def __post_init__(self):
+        if self.type not in INDEXES:
+            raise ValueError(f"index.type={self.type!r}; valid: {sorted(INDEXES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """``build``'s config (module docstring); ``corpus.path`` and ``output`` are required."""
+
+    corpus: CorpusSection = dataclasses.field(default_factory=CorpusSection)
+    embedder: EmbedderSection = dataclasses.field(default_factory=EmbedderSection)
+    index: IndexSection = dataclasses.field(default_factory=IndexSection)
+    output: str | None = None
+
+    def __post_init__(self):
+        if not self.corpus.path:
+            raise ValueError("config corpus.path is required (a .jsonl or .json corpus file)")
+        if not self.output:
+            raise ValueError("config output is required (the directory to build into)")
 
 
 def _first_line(e: BaseException) -> str:
@@ -69,66 +115,15 @@ def _first_line(e: BaseException) -> str:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
-    """YAML file + ``key=value`` overrides merged over ``DEFAULTS`` and validated.
+    """YAML file + ``key=value`` overrides, validated as :class:`BuildConfig` by the one config loader
+    (``rag_jax.config.load_config``), returned as a plain nested dict (what ``config.yaml`` records).
 
     Raises:
-      ValueError: unknown key, a key overridden twice, malformed override, or an invalid value.
+      ValueError: unknown key (with the closest valid one), a key set twice, malformed override, or an invalid
+        value (the key named); FileNotFoundError-like messages for a missing YAML file.
     """
-    cfg = copy.deepcopy(DEFAULTS)
-    if path is not None:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"config file {path} not found")
-        try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ValueError(f"config file {path} is not valid YAML ({_first_line(e)})") from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config {path} must be a YAML mapping")
-        cfg = _merge(cfg, loaded)
-    seen = set()
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key=value (e.g. index.type=exact)")
-        key, raw = item.split("=", 1)
-        if key in seen:
-            raise ValueError(f"config key {key!r} is overridden twice")
-        seen.add(key)
-        try:
-            update = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
-            raise ValueError(f"override {item!r}: the value is not valid YAML ({_first_line(e)})") from None
-        for part in reversed(key.split(".")):
-            update = {part: update}
-        if key.startswith("index.scann."):  # merge into, not replace, the ScaNN mapping
-            update["index"]["scann"] = {**cfg["index"]["scann"], **update["index"]["scann"]}
-        cfg = _merge(cfg, update)
-    if not cfg["corpus"]["path"]:
-        raise ValueError("config corpus.path is required (a .jsonl or .json corpus file)")
-    if not cfg["output"]:
-        raise ValueError("config output is required (the directory to build into)")
-    if cfg["embedder"]["type"] not in EMBEDDERS:
-        raise ValueError(f"embedder.type={cfg['embedder']['type']!r}; valid: {EMBEDDERS}")
-    if cfg["index"]["type"] not in INDEXES:
-        raise ValueError(f"index.type={cfg['index']['type']!r}; valid: {sorted(INDEXES)}")
-    if not isinstance(cfg["index"]["scann"], dict):
-        raise ValueError(f"config key 'index.scann' must be a mapping; got {cfg['index']['scann']!r}")
-    try:
-        ScannConfig(**cfg["index"]["scann"])
-    except TypeError as e:
-        raise ValueError(f"index.scann: {e}; valid keys: {sorted(ScannConfig.__dataclass_fields__)}") from None
-    except ValueError as e:
-        raise ValueError(f"index.scann: {e}") from None
-    for key in ("chunk_tokens", "overlap"):
-        value = cfg["corpus"][key]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"corpus.{key}={value!r} must be an integer{' or null' if key == 'chunk_tokens' else ''}")
-    for key in ("batch_size", "max_length"):
-        value = cfg["embedder"][key]
-        if (value is not None or key == "batch_size") and (isinstance(value, bool) or not isinstance(value, int)
-                                                           or value < 1):
-            raise ValueError(f"embedder.{key}={value!r} must be a positive integer"
-                             f"{' or null' if key == 'max_length' else ''}")
-    return cfg
+    from rag_jax import config as config_lib
+    return config_lib.to_dict(config_lib.load_config(BuildConfig, path, list(overrides)))
 
 
 def make_embedders(ecfg: dict):
