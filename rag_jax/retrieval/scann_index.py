@@ -259,10 +259,10 @@ class ScannIndex(VectorIndex):
              tune_leaves: bool = False, quiet: bool = False) -> dict:
         """Pick the fastest ``(num_leaves, leaves_to_search, reorder)`` reaching ``target_recall`` recall@k vs exact.
 
-        Grid: reorder counts ``k·1.25^i`` (up to n) and, for tree_ah, leaves counts on a ~1.15x geometric grid
-        up to num_leaves; for each reorder count a binary search finds the fewest leaves that reach the
-        target (recall grows with leaves; the search stops at the first reorder count that needs a single
-        leaf). The candidates are timed (median of ``repeats`` runs over the sample) and the fastest is
+        Grid: reorder counts ``k·1.25^i`` (up to ~100·k and n) and, for tree_ah, leaves counts on a ~1.15x
+        geometric grid up to num_leaves; for each reorder count a binary search finds the fewest leaves
+        that reach the target (recall grows with leaves; the search stops at the first reorder count that
+        needs a single leaf, or once 3 more reorder steps saved no leaf). The candidates are timed (median of ``repeats`` runs over the sample) and the fastest is
         kept for later searches. With ``tune_leaves`` (tree_ah only) the tree is also rebuilt with
         ``2·num_leaves`` leaves (when the size allows) and the faster of the two trees is kept.
 
@@ -342,7 +342,7 @@ class ScannIndex(VectorIndex):
             found = _drop_self(self._to_ids(rows, dist, fetch)[1], self_ids, k)
             return float(np.mean([len(np.intersect1d(a, b)) for a, b in zip(found, truth)]) / k)
 
-        reorders = sorted({min(round(fetch * 1.25 ** i), n) for i in range(40)})
+        reorders = sorted({min(round(fetch * 1.25 ** i), n) for i in range(21)})  # up to ~100·k
         if self.params["mode"] == "tree_ah":
             num_leaves = self.params["num_leaves"]
             leaves_grid = sorted({max(1, min(num_leaves, round(1.15 ** i))) for i in range(200)})
@@ -365,6 +365,8 @@ class ScannIndex(VectorIndex):
                                "recall": recall(leaves_grid[lo], reorder)})
             if lo == 0:  # one leaf (or no tree) suffices: more reorder only costs time
                 break
+            if len(candidates) >= 4 and candidates[-4]["leaves_to_search"] == leaves_grid[lo]:
+                break  # leaves stopped falling over 3 reorder steps: more reorder only costs time
         reached = bool(candidates)
         if not reached:
             best = {"leaves_to_search": leaves_grid[-1], "reorder": reorders[-1]}
