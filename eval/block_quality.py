@@ -311,12 +311,13 @@ def main(argv=None) -> dict:
 
     init_params = None
     if recipe.init.hf_dir:
-        from rag_jax.model.hf import load_hf
-        model_cfg, model, _ = load_hf(recipe.init.hf_dir)
+        from rag_jax.model.load import load_model
+        loaded = load_model(recipe.init.hf_dir)  # HF folder, .gguf file or embedded model name
+        model_cfg, model = loaded.config, loaded.model
         recipe = dataclasses.replace(recipe, model=model_cfg.replace(max_seq_len=max(model_cfg.max_seq_len,
                                                                                      d.seq_len)))
         init_params = nnx.state(model, nnx.Param)
-        tokenizer = load_tokenizer(recipe.init.hf_dir)
+        tokenizer = loaded.tokenizer if loaded.tokenizer is not None else load_tokenizer(recipe.init.hf_dir)
     else:
         # Unlabelled text only: all article texts (evaluation universe included, so its new names are not
         # split into bytes), training questions, and the template strings.
