@@ -49,6 +49,7 @@ def main(argv=None) -> None:
             rows.append([what, f"{ours_s:.2f} s", f"{theirs_s:.2f} s", f"{ours_s / theirs_s:.2f}x"])
         else:  # throughputs given as seconds per token
             rows.append([what, f"{1 / ours_s:.0f} tok/s", f"{1 / theirs_s:.0f} tok/s", f"{theirs_s / ours_s:.2f}x"])
+        print(" | ".join(rows[-1]), flush=True)  # as measured; the table follows at the end
 
     def hf_gguf():
         model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,

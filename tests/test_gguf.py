@@ -10,11 +10,15 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rag_jax.cli import main as cli_main  # noqa: E402
+from rag_jax.inference.chat import chat_prompt  # noqa: E402
 from rag_jax.model.gguf import load_gguf  # noqa: E402
 from rag_jax.model.hf import load_hf  # noqa: E402
+from rag_jax.model.load import load_model  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-VOCAB, HIDDEN, INTER, LAYERS = 256, 64, 128, 2
+VOCAB, HIDDEN, INTER, LAYERS = 264, 64, 128, 2
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def _permute(w, heads):
@@ -22,7 +26,24 @@ def _permute(w, heads):
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, arch, *, heads, kv_heads, types, tied, biases=False, seed=0, extra=None, metadata=None):
+def add_tokenizer(w):
+    """A byte-level BPE vocabulary: 256 bytes, merges for " the", two ChatML control tokens, padding to VOCAB."""
+    from tokenizers import pre_tokenizers
+
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe", "<|im_start|>", "<|im_end|>"]
+    tokens += [f"<pad{i}>" for i in range(VOCAB - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(TEMPLATE)
+
+
+def write_gguf(path, arch, *, heads, kv_heads, types, tied, biases=False, seed=0, extra=None, metadata=None,
+               tokenizer=False):
     """A random-weight GGUF of ``arch``; ``types``: GGUF short name (``attn_q``...) -> quantization type."""
     rng = np.random.default_rng(seed)
     d = HIDDEN // heads
@@ -39,6 +60,8 @@ def write_gguf(path, arch, *, heads, kv_heads, types, tied, biases=False, seed=0
     w.add_vocab_size(VOCAB)
     for key, value in (metadata or {}).items():
         w.add_key_value(key, *value)
+    if tokenizer:
+        add_tokenizer(w)
 
     def add(name, arr, qtype):
         arr = arr.astype(np.float32)
@@ -120,6 +143,23 @@ def test_gguf_to_hf_folder_round_trip(tmp_path):
     _, back, _ = load_hf(tmp_path / "hf")
     assert np.array_equal(_our_logits(back, ids), _our_logits(model, ids))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_converted_folder_keeps_tokenizer_template_and_eos(tmp_path):
+    """``convert`` writes tokenizer.json, tokenizer_config.json (template) and generation_config.json (eos):
+    load_model on the folder, and transformers' AutoTokenizer, see what load_model sees in the GGUF file."""
+    path = write_gguf(tmp_path / "m.gguf", "llama", heads=4, kv_heads=2, types={}, tied=True, tokenizer=True)
+    assert cli_main(["convert", str(path), str(tmp_path / "hf")]) == 0
+    g, h = load_model(path), load_model(tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    texts = ["the theme", "<|im_start|>user\nthe 12  34 😀 naïve<|im_end|>\n", "  the\t\tthe  "]
+    ids = [g.tokenizer.encode(t).ids for t in texts]
+    assert ids == [h.tokenizer.encode(t).ids for t in texts] == [hf_tok.encode(t) for t in texts]
+    assert 258 in ids[0]  # the merged " the" token is used
+    assert g.eos_ids == h.eos_ids == (260,) and g.chat_template == h.chat_template == TEMPLATE
+    messages = [{"role": "user", "content": "the"}]
+    assert chat_prompt(g, messages) == chat_prompt(h, messages) == hf_tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
 @pytest.mark.parametrize("case, message", [

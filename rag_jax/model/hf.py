@@ -108,7 +108,6 @@ def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
                torch_dtype=cfg.param_dtype, dtype=cfg.param_dtype)
     if cfg.rope_scaling:
         out["rope_scaling"] = dict(cfg.rope_scaling)
-    llama_bias = cfg.qkv_bias and cfg.out_bias
     expressible = {"LlamaForCausalLM": (cfg.qkv_bias == cfg.out_bias and cfg.sliding_window is None),
                    "MistralForCausalLM": not (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias or cfg.layer_types),
                    "Qwen2ForCausalLM": cfg.qkv_bias and not (cfg.out_bias or cfg.mlp_bias)}[arch]
@@ -117,7 +116,7 @@ def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
                          f"mlp_bias={cfg.mlp_bias}, sliding_window={cfg.sliding_window}, "
                          f"layer_types={cfg.layer_types}; pick another architecture")
     if arch == "LlamaForCausalLM":
-        out.update(attention_bias=llama_bias, mlp_bias=cfg.mlp_bias)
+        out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
     if arch == "MistralForCausalLM":
         out["sliding_window"] = cfg.sliding_window
     if arch == "Qwen2ForCausalLM":

@@ -133,11 +133,15 @@ def make_embedders(ecfg: dict):
         return emb, emb
     from rag_jax.data.tokenizer import load_tokenizer
     from rag_jax.model.embedding import GritEmbedder
-    from rag_jax.model.hf import load_hf
-    if not ecfg["path"] or not ecfg["tokenizer"]:
-        raise ValueError("embedder.type=grit needs embedder.path (HF checkpoint folder) and embedder.tokenizer")
-    _, model, _ = load_hf(ecfg["path"])
-    tok = load_tokenizer(ecfg["tokenizer"])
+    from rag_jax.model.load import load_model
+    if not ecfg["path"]:
+        raise ValueError("embedder.type=grit needs embedder.path (HF checkpoint folder, .gguf file or embedded model "
+                         "name) and embedder.tokenizer unless the checkpoint has one")
+    loaded = load_model(ecfg["path"])
+    model = loaded.model
+    tok = load_tokenizer(ecfg["tokenizer"]) if ecfg["tokenizer"] else loaded.tokenizer
+    if tok is None:
+        raise ValueError(f"embedder.path={ecfg['path']!r} has no tokenizer; set embedder.tokenizer")
     kwargs = {"batch_size": ecfg["batch_size"]}
     if ecfg["max_length"]:
         kwargs["max_length"] = ecfg["max_length"]
