@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.model import KVSegment, ModelConfig, Transformer, jit_forward
-from rag_jax.model import attention, kernels
+from rag_jax.model import KVSegment, ModelConfig, Transformer, attention, jit_forward, kernels
 from rag_jax.model.attention import attend, attend_joint, resolve_impl
 from rag_jax.model.blockwise import blockwise_attention
 from rag_jax.model.masks import FULL, SKIP, MaskSpec
@@ -154,7 +153,7 @@ def test_causal_tiles_above_the_diagonal_are_skipped_below_unmasked():
 
 def test_joint_groups_merge_by_logsumexp():
     rng = np.random.default_rng(3)
-    b, q_len = 1, 24
+    b = 1
     q1, k1, v1, s1 = _case("causal_window_cache", rng)
     q1, k1, v1 = q1[:b], k1[:b], v1[:b]
     s1 = jax.tree.map(lambda x: x[:b], s1)

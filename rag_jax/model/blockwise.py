@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax.model.masks import FULL, SKIP, MaskSpec
+from rag_jax.model.masks import SKIP, MaskSpec
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
