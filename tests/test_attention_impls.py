@@ -1,5 +1,6 @@
 """Every attention path equals the dense reference (fp32, outputs and gradients), the structural mask
-spec equals an independent NumPy mask, chunk skipping never drops a needed tile, and the
+spec equals an independent NumPy mask, tile classes are sound (never skip an allowed pair, never
+drop the mask of a masked pair), and the
 implementation selection per backend (rag_jax/model/attention.py, blockwise.py, kernels.py, masks.py)."""
 import functools
 
@@ -9,11 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.model import KVSegment, ModelConfig, Transformer, jit_forward
-from rag_jax.model import attention, kernels
+from rag_jax.model import KVSegment, ModelConfig, Transformer, attention, jit_forward, kernels
 from rag_jax.model.attention import attend, attend_joint, resolve_impl
 from rag_jax.model.blockwise import blockwise_attention
-from rag_jax.model.masks import MaskSpec
+from rag_jax.model.masks import FULL, SKIP, MaskSpec
 
 TOL = 1e-5
 CHUNKS = dict(q_chunk=8, kv_chunk=5)  # small tiles: many tiles, ragged ends, skipped tiles, edge-touching tiles
@@ -130,19 +130,25 @@ def test_spec_mask_and_chunk_skipping_are_sound(name):
     *_, spec = _case(name, rng)
     dense = np.asarray(spec.dense())
     np.testing.assert_array_equal(dense, _numpy_mask(spec))
+    full_tiles = 0
     for qc, kc in ((8, 5), (16, 8), (7, 3), (5, 11)):
         Q, K = -(-spec.q_len // qc) * qc, -(-spec.kv_len // kc) * kc
-        need = np.asarray(spec.pad(Q, K).chunk_needed(qc, kc))
+        classes = np.asarray(spec.pad(Q, K).chunk_classes(qc, kc))
         tiles = np.pad(dense, ((0, 0), (0, Q - spec.q_len), (0, K - spec.kv_len)))
-        tiles = tiles.reshape(dense.shape[0], Q // qc, qc, K // kc, kc).any((0, 2, 4))
-        assert not (tiles & ~need).any(), f"a needed tile was skipped (q_chunk={qc}, kv_chunk={kc})"
-        assert (~need).sum() > 0, "structure should let some tiles be skipped"
+        tiles = tiles.reshape(dense.shape[0], Q // qc, qc, K // kc, kc).transpose(1, 3, 0, 2, 4)
+        tiles = tiles.reshape(Q // qc, K // kc, -1)
+        assert not (tiles.any(-1) & (classes == SKIP)).any(), f"a needed tile was skipped ({qc=}, {kc=})"
+        assert not (~tiles.all(-1) & (classes == FULL)).any(), f"a tile with masked pairs is FULL ({qc=}, {kc=})"
+        assert (classes == SKIP).any(), "structure should let some tiles be skipped"
+        full_tiles += int((classes == FULL).sum())
+    if name in ("causal_right_padding", "bidirectional_packed"):
+        assert full_tiles > 0, "tiles inside one segment / below the diagonal should be FULL"
 
 
-def test_causal_tiles_above_the_diagonal_are_skipped():
+def test_causal_tiles_above_the_diagonal_are_skipped_below_unmasked():
     seg = np.ones((1, 64), np.int32)
-    need = np.asarray(MaskSpec.create("causal", seg, seg).chunk_needed(16, 16))
-    np.testing.assert_array_equal(need, np.tril(np.ones((4, 4), bool)))
+    classes = np.asarray(MaskSpec.create("causal", seg, seg).chunk_classes(16, 16))
+    np.testing.assert_array_equal(classes, np.tril(np.full((4, 4), FULL)) - np.eye(4, dtype=int))  # diagonal PARTIAL
 
 
 def test_joint_groups_merge_by_logsumexp():

@@ -29,7 +29,7 @@ from safetensors.numpy import load_file
 
 from rag_jax.model.attention import attend
 from rag_jax.model.embedding import mean_pool_normalize
-from rag_jax.model.masks import build_mask
+from rag_jax.model.masks import MaskSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ class BertLayer(nnx.Module):
         self.num_heads = cfg.num_heads
 
     def __call__(self, x, mask):
-        """x ``[batch, seq, hidden]``, mask bool ``[batch, seq, seq]`` -> ``[batch, seq, hidden]``."""
+        """x ``[batch, seq, hidden]``, mask a ``MaskSpec`` (or bool ``[batch, seq, seq]``) -> ``[batch, seq, hidden]``."""
         split = lambda t: einops.rearrange(t, "b s (n d) -> b s n d", n=self.num_heads)  # noqa: E731
         out = attend(split(self.query(x)), split(self.key(x)), split(self.value(x)), mask)
         x = self.attn_norm(x + self.attn_out(einops.rearrange(out, "b s n d -> b s (n d)")))
@@ -133,7 +133,7 @@ class BertEncoder(nnx.Module):
             token_type_ids)
         x = self.embed_norm(x)
         segment_ids = attention_mask.astype(jnp.int32)
-        mask = build_mask("bidirectional", segment_ids, segment_ids)
+        mask = MaskSpec.create("bidirectional", segment_ids, segment_ids)
         for layer in self.layers:
             x = layer(x, mask)
         return x

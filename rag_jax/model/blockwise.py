@@ -2,10 +2,11 @@
 
 The algorithm is FlashAttention's (Dao et al., NeurIPS 2022, Alg. 1 forward / Alg. 2 backward with the
 ``D = rowsum(dO ∘ O)`` trick): queries are cut into ``q_chunk`` tiles and, for each, only the KV chunks
-the structural mask can reach are visited (``MaskSpec.chunk_needed``: a dynamic ``[lo, hi)`` chunk range
-per query tile plus a ``lax.cond`` skip for tiles inside it that the structure masks out, e.g. other
-blocks in Block-Attention). The mask of a visited tile is ``MaskSpec.allowed`` on the two slices, the
-same predicate the dense reference uses. A custom VJP recomputes tiles in the backward pass from the
+the structural mask can reach are visited (``MaskSpec.chunk_classes``: a dynamic ``[lo, hi)`` chunk range
+per query tile plus a ``lax.switch`` that skips tiles inside it the structure masks out, e.g. other
+blocks in Block-Attention, and drops the mask on tiles it allows entirely, e.g. below the causal
+diagonal). The mask of a partial tile is ``MaskSpec.allowed`` on the two slices, the same predicate the
+dense reference uses. A custom VJP recomputes tiles in the backward pass from the
 saved per-row log-sum-exp, so training memory is O(seq), not O(seq²). GQA is computed per KV head with
 the query heads of the group as an extra free dimension (k / v are never repeated).
 
@@ -19,49 +20,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rag_jax.model.masks import MaskSpec
+from rag_jax.model.masks import SKIP, MaskSpec
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _chunk_ranges(need):
-    """need bool ``[nq, nk]`` -> first / one-past-last needed KV chunk per query tile (``hi <= lo``: none)."""
+def _chunk_ranges(classes):
+    """classes int ``[nq, nk]`` -> first / one-past-last KV chunk to visit per query tile (``hi <= lo``: none)."""
+    need = classes != SKIP
     nk = need.shape[1]
     idx = jnp.arange(nk)
     return jnp.where(need, idx, nk).min(1), jnp.where(need, idx + 1, 0).max(1)
+
+
+def _visit(classes, i, j, visit, carry):
+    """``visit(carry, masked)`` on tile (i, j) unless the structure skips it; no mask on full tiles."""
+    branches = [lambda c: c, lambda c: visit(c, True), lambda c: visit(c, False)]
+    return jax.lax.switch(classes[i, j], branches, carry)
 
 
 def _slice(x, start, size, axis):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _tile(q, k, spec, i, j, qc, kc):
+def _tile(q, k, spec, i, j, qc, kc, masked: bool):
     """Scaled logits of tile (i, j): q ``[b, h, g, qc, d]`` slice, k ``[b, h, kc, d]`` slice, and the mask
-    broadcast to ``[b, 1, 1, qc, kc]``."""
+    broadcast to ``[b, 1, 1, qc, kc]`` (``True`` when not ``masked``: a full tile)."""
     qi = _slice(q, i * qc, qc, 3)
     kj = _slice(k, j * kc, kc, 2)
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
+    if not masked:
+        return qi, kj, s, True
     mask = spec.allowed([_slice(x, i * qc, qc, 1) for x in spec.q_fields()],
                         [_slice(x, j * kc, kc, 1) for x in spec.kv_fields()])[:, None, None]
     return qi, kj, jnp.where(mask, s, MASK_VALUE), mask
 
 
-def _forward(q, k, v, spec, need, qc, kc):
+def _forward(q, k, v, spec, classes, qc, kc):
     b, h, g, q_len, d = q.shape
-    lo, hi = _chunk_ranges(need)
+    lo, hi = _chunk_ranges(classes)
 
     def q_tile(i):
         def kv_step(j, carry):
-            def visit(carry):
+            def visit(carry, masked):
                 m, l, acc = carry
-                _, _, s, mask = _tile(q, k, spec, i, j, qc, kc)
+                _, _, s, mask = _tile(q, k, spec, i, j, qc, kc, masked)
                 m_new = jnp.maximum(m, s.max(-1))
                 p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
                 alpha = jnp.exp(m - m_new)
                 vj = _slice(v, j * kc, kc, 2)
                 pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
                 return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
-            return jax.lax.cond(need[i, j], visit, lambda c: c, carry)
+            return _visit(classes, i, j, visit, carry)
 
         init = (jnp.full((b, h, g, qc), MASK_VALUE, jnp.float32), jnp.zeros((b, h, g, qc), jnp.float32),
                 jnp.zeros((b, h, g, qc, d), jnp.float32))
@@ -76,20 +86,20 @@ def _forward(q, k, v, spec, need, qc, kc):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, spec, need, qc, kc):
-    return _forward(q, k, v, spec, need, qc, kc)
+def _flash(q, k, v, spec, classes, qc, kc):
+    return _forward(q, k, v, spec, classes, qc, kc)
 
 
-def _flash_fwd(q, k, v, spec, need, qc, kc):
-    out, lse = _forward(q, k, v, spec, need, qc, kc)
-    return (out, lse), (q, k, v, spec, need, out, lse)
+def _flash_fwd(q, k, v, spec, classes, qc, kc):
+    out, lse = _forward(q, k, v, spec, classes, qc, kc)
+    return (out, lse), (q, k, v, spec, classes, out, lse)
 
 
 def _flash_bwd(qc, kc, res, cotangents):
-    q, k, v, spec, need, out, lse = res
+    q, k, v, spec, classes, out, lse = res
     d_out, d_lse = cotangents
     b, h, g, q_len, d = q.shape
-    lo, hi = _chunk_ranges(need)
+    lo, hi = _chunk_ranges(classes)
     delta = jnp.einsum("bhgqd,bhgqd->bhgq", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
 
     def q_tile(carry, i):
@@ -97,9 +107,9 @@ def _flash_bwd(qc, kc, res, cotangents):
         lse_i, delta_i = _slice(lse, i * qc, qc, 3), _slice(delta, i * qc, qc, 3)
 
         def kv_step(j, inner):
-            def visit(inner):
+            def visit(inner, masked):
                 dq_i, dk, dv = inner
-                qi, kj, s, mask = _tile(q, k, spec, i, j, qc, kc)
+                qi, kj, s, mask = _tile(q, k, spec, i, j, qc, kc, masked)
                 vj = _slice(v, j * kc, kc, 2)
                 p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
                 dv_j = jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(d_out.dtype), do_i, preferred_element_type=jnp.float32)
@@ -110,7 +120,7 @@ def _flash_bwd(qc, kc, res, cotangents):
                 dk = jax.lax.dynamic_update_slice_in_dim(dk, _slice(dk, j * kc, kc, 2) + dk_j, j * kc, 2)
                 dv = jax.lax.dynamic_update_slice_in_dim(dv, _slice(dv, j * kc, kc, 2) + dv_j, j * kc, 2)
                 return dq_i, dk, dv
-            return jax.lax.cond(need[i, j], visit, lambda c: c, inner)
+            return _visit(classes, i, j, visit, inner)
 
         dq_i = jnp.zeros((b, h, g, qc, d), jnp.float32)
         dq_i, dk, dv = jax.lax.fori_loop(lo[i], hi[i], kv_step, (dq_i, *carry))
@@ -122,10 +132,21 @@ def _flash_bwd(qc, kc, res, cotangents):
 
     def no_grad(x):
         return np.zeros(x.shape, jax.dtypes.float0)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jax.tree.map(no_grad, spec), no_grad(need))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jax.tree.map(no_grad, spec), no_grad(classes))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def kernel_layout(q, k, v, q_pad: int, kv_pad: int):
+    """q ``[b, q_len, num_heads, d]`` -> scaled by 1/√d, ``[b, num_kv_heads, heads_per_kv_head, q_len + q_pad, d]``;
+    k / v ``[b, kv_len, num_kv_heads, d]`` -> ``[b, num_kv_heads, kv_len + kv_pad, d]`` (zero padding)."""
+    b, q_len, num_heads, d = q.shape
+    num_kv_heads = k.shape[2]
+    qt = (q * jnp.asarray(d ** -0.5, q.dtype)).reshape(b, q_len, num_kv_heads, num_heads // num_kv_heads, d)
+    qt = jnp.pad(qt.transpose(0, 2, 3, 1, 4), ((0, 0),) * 3 + ((0, q_pad), (0, 0)))
+    kt, vt = (jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, kv_pad), (0, 0))) for x in (k, v))
+    return qt, kt, vt
 
 
 def blockwise_attention(q, k, v, spec: MaskSpec, *, q_chunk: int = 256, kv_chunk: int = 256):
@@ -157,11 +178,8 @@ def blockwise_attention(q, k, v, spec: MaskSpec, *, q_chunk: int = 256, kv_chunk
     # few queries (a last block over a long cache, decoding): wider KV tiles, same tile size in pairs
     kc = min(kv_chunk * max(1, q_chunk // qc), kv_len)
     q_pad, kv_pad = -q_len % qc, -kv_len % kc
-    g = num_heads // num_kv_heads
-    qt = (q * jnp.asarray(d ** -0.5, q.dtype)).reshape(b, q_len, num_kv_heads, g, d).transpose(0, 2, 3, 1, 4)
-    qt = jnp.pad(qt, ((0, 0),) * 3 + ((0, q_pad), (0, 0)))
-    kt, vt = (jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, kv_pad), (0, 0))) for x in (k, v))
+    qt, kt, vt = kernel_layout(q, k, v, q_pad, kv_pad)
     spec = spec.pad(q_len + q_pad, kv_len + kv_pad)
-    out, lse = _flash(qt, kt, vt, spec, spec.chunk_needed(qc, kc), qc, kc)
+    out, lse = _flash(qt, kt, vt, spec, spec.chunk_classes(qc, kc), qc, kc)
     out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4).reshape(b, q_len, num_heads, d)
     return out, lse[..., :q_len]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rag_jax.model.blockwise import blockwise_attention
+from rag_jax.model.blockwise import blockwise_attention, kernel_layout
 from rag_jax.model.masks import MaskSpec
 
 SPLASH_BLOCK = 128
@@ -89,9 +89,7 @@ def splash_attention(q, k, v, spec: MaskSpec, *, interpret: bool = False):
     shape = (q_len + q_pad, kv_len + kv_pad)
     causal = masks.MultiHeadMask([masks.CausalMask(shape, offset=kv_len - q_len)] * g)
     kernel = splash.make_splash_mqa_single_device(causal, interpret=interpret)
-    qt = jnp.pad((q * jnp.asarray(d ** -0.5, q.dtype)).reshape(b, q_len, num_kv_heads, g, d).transpose(0, 2, 3, 1, 4),
-                 ((0, 0),) * 3 + ((0, q_pad), (0, 0)))                                    # [b, kvh, g, Q, d]
-    kt, vt = (jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, kv_pad), (0, 0))) for x in (k, v))
+    qt, kt, vt = kernel_layout(q, k, v, q_pad, kv_pad)
     per_head = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids), in_axes=(0, 0, 0, None))
     run = jax.vmap(per_head)
 

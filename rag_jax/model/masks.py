@@ -16,9 +16,9 @@ An optional ``sliding_window`` (Mistral) additionally requires ``q_pos - k_pos <
 The mask stays *structural* (``MaskSpec``: per-token vectors, O(seq) memory) down to the attention
 kernel; ``MaskSpec.allowed`` evaluates the predicate above on any (query slice, key slice) pair, so the
 dense reference (``MaskSpec.dense`` / ``build_mask``) and the blockwise kernel's chunks share one
-definition. ``MaskSpec.chunk_bounds`` gives the per-chunk summaries a kernel uses to skip chunks the
-structure masks out entirely (a conservative test: it may keep an all-masked chunk, never drops a
-needed one).
+definition. ``MaskSpec.chunk_classes`` classifies (query chunk, key chunk) tiles from per-chunk bounds so a
+kernel skips tiles the structure masks out entirely and drops the mask on tiles it allows entirely (a
+conservative test: it may keep an all-masked tile or mask a full one, never the reverse).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 MASK_MODES = ("causal", "bidirectional", "block")
 _BIG = jnp.iinfo(jnp.int32).max // 2
+SKIP, PARTIAL, FULL = 0, 1, 2  # tile classes of MaskSpec.chunk_classes
 
 
 @flax.struct.dataclass
@@ -128,12 +129,14 @@ class MaskSpec:
                             kv_segment_ids=pad_to(self.kv_segment_ids, kv_len),
                             kv_order=pad_to(self.kv_order, kv_len), kv_positions=pad_to(self.kv_positions, kv_len))
 
-    def chunk_needed(self, q_chunk: int, kv_chunk: int) -> jax.Array:
-        """bool ``[q_len // q_chunk, kv_len // kv_chunk]``: False where the structure masks the whole
-        (query chunk, key chunk) tile for every batch row (lengths must be chunk multiples; see ``pad``).
+    def chunk_classes(self, q_chunk: int, kv_chunk: int) -> jax.Array:
+        """int32 ``[q_len // q_chunk, kv_len // kv_chunk]`` per (query chunk, key chunk) tile, over all batch
+        rows (lengths must be chunk multiples; see ``pad``): ``SKIP`` (0) the structure masks every pair,
+        ``PARTIAL`` (1) evaluate ``allowed`` on the tile, ``FULL`` (2) every pair is allowed.
 
-        Conservative per-chunk bounds of the same predicate: a tile is kept if some valid query and some
-        valid key could satisfy each term (order, segment range or global flag, window)."""
+        Conservative per-chunk bounds of the same predicate: a tile is SKIP only if some term (validity,
+        order, segment range or global flag, window) fails for every pair, FULL only if every term holds
+        for every pair; anything else is PARTIAL."""
         def stats(seg, order, pos, chunk):
             b = seg.shape[0]
             valid = (seg != 0).reshape(b, -1, chunk)
@@ -141,26 +144,32 @@ class MaskSpec:
             def lo_hi(x):
                 x = x.reshape(b, -1, chunk)
                 return jnp.where(valid, x, _BIG).min(-1), jnp.where(valid, x, -_BIG).max(-1)
-            return valid.any(-1), lo_hi(seg), lo_hi(order), lo_hi(pos)
+            return valid.any(-1), valid.all(-1), lo_hi(seg), lo_hi(order), lo_hi(pos)
 
-        q_any, (qs_lo, qs_hi), (qo_lo, qo_hi), (qp_lo, qp_hi) = stats(
+        q_any, q_all, (qs_lo, qs_hi), (qo_lo, qo_hi), (qp_lo, qp_hi) = stats(
             self.q_segment_ids, self.q_order, self.q_positions, q_chunk)
-        k_any, (ks_lo, ks_hi), (ko_lo, ko_hi), (kp_lo, kp_hi) = stats(
+        k_any, k_all, (ks_lo, ks_hi), (ko_lo, ko_hi), (kp_lo, kp_hi) = stats(
             self.kv_segment_ids, self.kv_order, self.kv_positions, kv_chunk)
         q_, k_ = (lambda x: x[:, :, None]), (lambda x: x[:, None, :])
-        need = q_(q_any) & k_(k_any)
+        some = q_(q_any) & k_(k_any)        # [batch, nq, nk]: a pair of the tile may be allowed
+        every = q_(q_all) & k_(k_all)       # [batch, nq, nk]: every pair of the tile is allowed
         overlap = (q_(qs_lo) <= k_(ks_hi)) & (k_(ks_lo) <= q_(qs_hi))
+        one_segment = (q_(qs_lo) == q_(qs_hi)) & (q_(qs_hi) == k_(ks_lo)) & (k_(ks_lo) == k_(ks_hi))
         if self.mode == "bidirectional":
-            need &= overlap
+            some &= overlap
+            every &= one_segment
         else:
-            need &= k_(ko_lo) <= q_(qo_hi)
+            some &= k_(ko_lo) <= q_(qo_hi)
+            every &= k_(ko_hi) <= q_(qo_lo)
             if self.mode == "block":
-                b = self.q_is_global.shape[0]
-                q_glob = (self.q_is_global & (self.q_segment_ids != 0)).reshape(b, -1, q_chunk).any(-1)
-                need &= overlap | q_(q_glob)
+                glob = self.q_is_global.reshape(self.q_is_global.shape[0], -1, q_chunk)
+                valid_glob = glob & (self.q_segment_ids != 0).reshape(glob.shape)
+                some &= overlap | q_(valid_glob.any(-1))
+                every &= one_segment | q_(glob.all(-1))
         if self.sliding_window is not None:
-            need &= (q_(qp_lo) - k_(kp_hi)) < self.sliding_window
-        return need.any(0)
+            some &= (q_(qp_lo) - k_(kp_hi)) < self.sliding_window
+            every &= (q_(qp_hi) - k_(kp_lo)) < self.sliding_window
+        return jnp.where(every.all(0), FULL, jnp.where(some.any(0), PARTIAL, SKIP)).astype(jnp.int32)
 
 
 def build_mask(mode: str, q_segment_ids, kv_segment_ids, *, q_is_global=None, q_order=None, kv_order=None,

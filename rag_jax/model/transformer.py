@@ -2,8 +2,8 @@
 
 One forward serves every method: explicit ``positions``, a structural mask (``masks.MaskSpec``) from
 ``segment_ids`` / ``is_global`` / ``mode`` passed down to the attention kernel chosen by
-``ModelConfig.attention_impl`` (no dense ``[q, kv]`` mask outside the dense path), and optional cached ``KVSegment``s attended before the new
-tokens. Tensor layout follows HF (``rotate_half`` RoPE, no folded query scale) so checkpoint
+``ModelConfig.attention_impl`` (no dense ``[q, kv]`` mask outside the dense path), and optional cached
+``KVSegment``s attended before the new tokens. Tensor layout follows HF (``rotate_half`` RoPE, no folded query scale) so checkpoint
 conversion is a rename plus transposes (``hf.py``). Parameters carry logical axis names
 (``vocab, embed, mlp, heads, kv_heads, head_dim, norm``) that ``rag_jax.sharding`` maps to mesh axes.
 """
@@ -128,7 +128,8 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, mask, inv_freq, cache_k=None, cache_v=None, cache_positions=None, *,
                  impl: str = "auto"):
         """One pre-norm block; ``mask`` a ``MaskSpec`` (or dense bool mask), ``impl`` the attention
-        implementation (``attention.attend``). Returns (x ``[b, s, hidden]``, (k, v) pre-RoPE of the new tokens)."""
+        implementation (``attention.attend``). Returns (x ``[b, s, hidden]``, (k, v) pre-RoPE of the new
+        tokens)."""
         # Keep activations batch-sharded (a no-op outside a train step's mesh): without this hint XLA keeps
         # hidden states split like the weights and replicates them per chip (8B on v5p-64 does not fit).
         x = sharding.constrain(x, ACTIVATION_AXES)
