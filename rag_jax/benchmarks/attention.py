@@ -1,0 +1,164 @@
+"""Prefill throughput and peak memory per attention implementation vs HF transformers (sdpa), CPU.
+
+Each measurement runs in its own subprocess (peak RSS is per process): load the weights, record the RSS
+(``load MB``), compile the forward ahead of time (logits of the last token only; unused outputs are dead
+code), then the median wall time of ``--repeats`` prefills (transformers: after one warm-up call). Rows: one per (length, implementation);
+``x hf`` = tokens/s relative to transformers' in the same run, ``peak-load MB`` = peak RSS minus the
+RSS after loading (what the prefill itself needed).
+
+    # SmolLM2-135M fp32 (the embedded GGUF, converted once to an HF folder for both sides)
+    rag-jax bench attention --sizes 1024,4096,8192 --impls dense,blockwise
+    # on a busy shared machine: one thread each, CPU-time clock
+    rag-jax bench attention --sizes 1024 --threads 1 --clock cpu
+    # 4-layer toy config at lengths dense cannot hold
+    rag-jax bench attention --toy --sizes 32768,65536 --impls blockwise --no_hf --repeats 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+TOY = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _time(fn, repeats: int, warmup: bool, clock) -> float:
+    from rag_jax.evaluation.timing import median_ms
+    return median_ms(fn, repeats, warmup=int(warmup), clock=clock) / 1e3
+
+
+def worker(impl: str, length: int, args) -> dict:
+    """One measurement in this process: ``impl`` in ATTENTION_IMPLS or ``hf``."""
+    import numpy as np
+    tokens = np.random.default_rng(args.seed).integers(1, 4000, (1, length))
+    if args.threads:  # read when the XLA backend starts, not at import
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
+                                   f"{'false' if args.threads == 1 else 'true'} "
+                                   f"intra_op_parallelism_threads={args.threads}").strip()
+    if impl == "hf":
+        import torch
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        from transformers import LlamaForCausalLM
+        model = LlamaForCausalLM.from_pretrained(args.hf_dir, torch_dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+        load = _rss_mb()
+        ids = torch.tensor(tokens)
+
+        @torch.inference_mode()
+        def run():
+            return model(ids, use_cache=False, logits_to_keep=1).logits
+    else:
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from rag_jax.model import ModelConfig, Transformer
+        if args.toy:
+            cfg = ModelConfig(**TOY, max_seq_len=length, attention_impl=impl)
+            model = Transformer(cfg, rngs=nnx.Rngs(args.seed))
+        else:
+            from rag_jax.model.hf import load_hf
+            cfg, model, _ = load_hf(args.hf_dir, dtype="float32")
+            model.config = cfg.replace(attention_impl=impl, max_seq_len=max(cfg.max_seq_len, length))
+        graphdef, state = nnx.split(model)
+        load = _rss_mb()
+
+        def fwd(state, tokens, positions, segment_ids):
+            m = nnx.merge(graphdef, state)
+            return m.logits(m(tokens, positions, segment_ids).hidden[:, -1:])
+
+        toks = jnp.asarray(tokens, jnp.int32)
+        pos = jnp.arange(length, dtype=jnp.int32)[None]
+        seg = jnp.ones_like(toks)
+        compiled = jax.jit(fwd).lower(state, toks, pos, seg).compile()  # compiled ahead: no warm-up run needed
+
+        def run():
+            return compiled(state, toks, pos, seg).block_until_ready()
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    seconds = _time(run, args.repeats, warmup=impl == "hf", clock=clock)
+    return dict(impl=impl, tokens=length, seconds=seconds, tokens_per_s=length / seconds, load_mb=load,
+                peak_mb=_peak_mb())
+
+
+def measure(impl: str, length: int, argv: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "rag_jax.benchmarks.attention", *argv, "--worker", f"{impl}:{length}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return dict(impl=impl, tokens=length, error=f"exit {proc.returncode}: {' | '.join(tail)[:300]}")
+    return json.loads(lines[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax bench attention", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="embedded model name, .gguf file (converted once to an HF folder for both sides) or HF folder")
+    p.add_argument("--hf_dir", default=None, help=argparse.SUPPRESS)  # set for the workers
+    p.add_argument("--toy", action="store_true", help=f"random 4-layer toy config {TOY} instead of --hf_dir")
+    p.add_argument("--sizes", default="1024,4096", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--impls", default="dense,blockwise", help="rag_jax attention_impl values, comma-separated")
+    p.add_argument("--no_hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--repeats", type=int, default=3, help="timed prefills per row (median reported)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for XLA and torch (0 = library defaults)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="wall: elapsed time; cpu: CPU time of the worker (all threads), which a shared, "
+                        "oversubscribed machine does not inflate (use with --threads 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        impl, length = args.worker.split(":")
+        print(json.dumps(worker(impl, int(length), args)), flush=True)
+        return 0
+    if args.toy and not args.no_hf:
+        raise SystemExit("error: the toy config has no HF weights; pass --no_hf with --toy")
+    with tempfile.TemporaryDirectory() as tmp:
+        forwarded = list(argv if argv is not None else sys.argv[1:])
+        if not args.toy:
+            from rag_jax.model.gguf import convert_gguf
+            from rag_jax.model.load import resolve_model
+            path = resolve_model(args.model)
+            forwarded += ["--hf_dir", str(convert_gguf(path, f"{tmp}/hf") if path.suffix == ".gguf" else path)]
+        _run(args, forwarded)
+    return 0
+
+
+def _run(args, forwarded: list[str]) -> list[dict]:
+    impls = ([] if args.no_hf else ["hf"]) + args.impls.split(",")
+    rows = []
+    print(f"{'tokens':>7} {'impl':>10} {'median s':>9} {'tokens/s':>9} {'x hf':>6} {'load MB':>8} {'peak MB':>8} "
+          f"{'peak-load MB':>12}", flush=True)
+    for length in (int(s) for s in args.sizes.split(",")):
+        base = None
+        for impl in impls:
+            row = measure(impl, length, forwarded)
+            rows.append(row)
+            if "error" in row:
+                print(f"{length:>7} {impl:>10} {row['error']}", flush=True)
+                continue
+            base = row["tokens_per_s"] if impl == "hf" else base
+            ratio = f"{row['tokens_per_s'] / base:6.2f}" if base else f"{'-':>6}"
+            print(f"{length:>7} {impl:>10} {row['seconds']:9.2f} {row['tokens_per_s']:9.0f} {ratio} "
+                  f"{row['load_mb']:8.0f} {row['peak_mb']:8.0f} {row['peak_mb'] - row['load_mb']:12.0f}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":  # the per-measurement worker subprocess
+    raise SystemExit(main())
