@@ -10,6 +10,7 @@ from rag_jax.evaluation import long_context
 from rag_jax.memory import EMLLM, EMLLMConfig
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.load import LoadedModel
+from test_em_streaming import _rope64  # float64 rotate-half RoPE (tests/ is on sys.path under pytest)
 
 CFG = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_seq_len=512, rope_theta=10000.0)
@@ -17,15 +18,6 @@ CFG = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_laye
 
 def _model(seed):
     return Transformer(CFG, rngs=nnx.Rngs(seed))
-
-
-def _rope(x, pos, inv_freq):
-    """float64 rotate-half RoPE of ``x [..., d]`` at integer ``pos`` (broadcast over leading dims)."""
-    ang = np.asarray(pos, np.float64)[..., None] * np.asarray(inv_freq, np.float64)
-    ang = np.concatenate([ang, ang], -1)
-    half = x.shape[-1] // 2
-    rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
-    return x * np.cos(ang) + rot * np.sin(ang)
 
 
 def test_diagnostic_weights_match_float64_reference():
@@ -50,8 +42,8 @@ def test_diagnostic_weights_match_float64_reference():
     t, group = len(tokens) - 1, CFG.num_heads // CFG.num_kv_heads
     dist = t - np.arange(len(tokens))
     local = dist < cfg.n_local
-    k_rot = np.where(local[:, None, None], _rope(k, -dist[:, None], inv_freq), k)   # relative: key at -dist
-    q_mem = _rope(q, cfg.n_local - 1, inv_freq)
+    k_rot = np.where(local[:, None, None], _rope64(k, -dist, inv_freq), k)   # relative: key at -dist
+    q_mem = _rope64(q[None], np.array([cfg.n_local - 1]), inv_freq)[0]
     ref = np.zeros((CFG.num_heads, len(tokens)))
     for h in range(CFG.num_heads):
         logits = np.where(local, k_rot[:, h // group] @ q[h], k[:, h // group] @ q_mem[h]) / np.sqrt(CFG.head_dim)
