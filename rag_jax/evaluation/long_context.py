@@ -28,8 +28,8 @@ full attention 1/6 at 4K and 1/3 at 8K (it fits the trained context but fails), 
 (64-token blocks) 2/2 at 2K, 4K and 8K; sliding window 0/2 everywhere. EM-LLM prompt tokens/s on a quieter
 machine (incl. 8 decoded tokens): ~200 at 4K, ~155 at 8K. With the reply forced up to the key's first digit,
 full attention gives the digit p = 0.98 at 4K (EM-LLM 0.94, contiguous positions 0.99): retrieval heads of
-layers 18-23 put up to 0.9-0.99 of their mass on the key under both; full attention fails one step earlier, choosing a word (" the", " a") over the
-space that starts a number. Example::
+layers 18-23 put up to 0.9-0.99 of their mass on the key under both; full attention fails one step earlier,
+choosing a word (" the", " a") over the space that starts a number. Example::
 
     rag-jax eval long_context --model smollm2-135m-instruct --lengths 2048 4096 8192 --samples 4 \\
         --methods em_llm inf_llm sliding full --out runs/eval/long_context.json
