@@ -17,9 +17,9 @@ import importlib
 import sys
 import time
 
-EVALS = ("block_quality", "grit_eval", "passkey", "rag_qa", "retrieval_nq", "retrieval_recall")
-BENCHES = ("attention", "em_llm_bench", "grit_caching", "load_and_speed", "model_vs_torch", "retrieval_bench", "train_bench",
-           "ttft")
+EVALS = ("block_quality", "grit_eval", "long_context", "passkey", "rag_qa", "retrieval_nq", "retrieval_recall")
+BENCHES = ("attention", "em_llm_bench", "grit_caching", "load_and_speed", "model_vs_torch", "retrieval_bench",
+           "train_bench", "ttft")
 SCRIPTS = {"eval": ("rag_jax.evaluation", EVALS), "bench": ("rag_jax.benchmarks", BENCHES)}
 # Verbs whose arguments belong to another module's parser: (module, leading arguments).
 DISPATCH = {"train": ("rag_jax.train.cli", []), "index": ("rag_jax.retrieval.cli", ["build"]),

@@ -45,12 +45,13 @@ def test_joint_softmax_equals_softmax_over_concatenated_keys():
     m1[..., 0] = True
     q_ok = np.array([1, 1, 1, 1, 0], bool)
     groups = [tuple(map(jnp.asarray, g)) for g in ((q1, k1, v1, m1), (q2, k2, v2, m2))]
-    out, mass = _joint_attention_and_local_mass(groups, jnp.asarray(q_ok))
+    out, mass, last = _joint_attention_and_local_mass(groups, jnp.asarray(q_ok), 4)
 
     # float64 reference: per query head, logits of both groups (own query each) in one softmax.
     g = heads // kv_heads
     want = np.zeros((b, q_len, heads, d))
     want_mass = np.zeros((heads, 7))
+    want_last = np.zeros((heads, 16))
     for h in range(heads):
         kh = h // g
         l1 = q1[0, :, h].astype(np.float64) @ k1[0, :, kh].T.astype(np.float64) / np.sqrt(d)
@@ -60,8 +61,10 @@ def test_joint_softmax_equals_softmax_over_concatenated_keys():
         p /= p.sum(1, keepdims=True)
         want[0, :, h] = p @ np.concatenate([v1[0, :, kh], v2[0, :, kh]]).astype(np.float64)
         want_mass[h] = (p[:, :7] * q_ok[:, None]).sum(0)
+        want_last[h] = p[3]                       # the last valid query (diagnostics)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(mass), want_mass, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(last), want_last, rtol=1e-5, atol=1e-5)
 
     # Same query in both groups: identical to one attention over the concatenated keys.
     same = attend_joint([(groups[0][0], groups[0][1], groups[0][2], groups[0][3]),

@@ -57,6 +57,8 @@ QUESTION = "What is the pass key? The pass key is:"
 KV_INTRO = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
 ANSWER_WEIGHT = 10.0
 METHODS = ("em_llm", "em_llm_contiguous", "inf_llm", "sliding", "full")
+# Variants for the real-model evaluation (rag_jax.evaluation.long_context); method_config knows them all.
+EM_VARIANTS = ("em_llm_refine", "em_llm_contiguity")
 MIN_PASSKEY_LEN = len(NEEDLE.format(key="12345")) + len(QUESTION) + 16
 
 
@@ -174,6 +176,10 @@ def method_config(method: str, base: EMLLMConfig, length: int, infllm_block: int
         return base
     if method == "em_llm_contiguous":   # the same, memory re-encoded at contiguous positions
         return base.replace(positions="contiguous")
+    if method == "em_llm_refine":       # boundaries refined by modularity (the paper's SM rows)
+        return base.replace(refinement="modularity")
+    if method == "em_llm_contiguity":   # plus the contiguity buffer of temporal neighbours (SM+C's C)
+        return base.replace(contiguity=True)
     if method == "inf_llm":
         return base.replace(segmentation="uniform", refinement=None, min_block_size=infllm_block,
                             max_block_size=infllm_block, n_mem=max(base.n_mem, infllm_block))
@@ -181,7 +187,7 @@ def method_config(method: str, base: EMLLMConfig, length: int, infllm_block: int
         return base.replace(memory=False)
     if method == "full":   # a window covering the input: exact full attention
         return base.replace(n_local=length + 1, memory=False)
-    raise ValueError(f"method={method!r}; valid: {METHODS}")
+    raise ValueError(f"method={method!r}; valid: {METHODS + EM_VARIANTS}")
 
 
 def run_prompt(model, cfg: EMLLMConfig, cache: dict, prompt: np.ndarray, max_new_tokens: int) -> tuple[str, float]:

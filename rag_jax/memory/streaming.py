@@ -64,13 +64,15 @@ class LayerBuffers:
     init_v: jax.Array
 
 
-def _joint_attention_and_local_mass(groups, q_ok):
-    """``attend_joint(groups)`` plus the attention mass each key of ``groups[0]`` receives, summed over the
-    valid queries: float32 ``[num_heads, kv_len_0]`` (InfLLM/EM-LLM representative scores, note §4.2)."""
+def _joint_attention_and_local_mass(groups, q_ok, n_valid):
+    """``attend_joint(groups)``, the attention mass each key of ``groups[0]`` receives, summed over the
+    valid queries: float32 ``[num_heads, kv_len_0]`` (InfLLM/EM-LLM representative scores, note §4.2), and the
+    weights of the last valid query over every key of every group: float32 ``[num_heads, sum(kv_len_i)]``."""
     out, weights = attend_joint(groups, return_weights=True)
-    weights = weights[..., :groups[0][1].shape[1]]                                  # [1, kvh, g, q, k0]
-    mass = jnp.einsum("bhgqk,q->hgk", weights, q_ok.astype(jnp.float32))
-    return out, mass.reshape(-1, mass.shape[-1])
+    last = jnp.take(weights[0], n_valid - 1, axis=2)                                # [kvh, g, k]
+    local = weights[..., :groups[0][1].shape[1]]                                    # [1, kvh, g, q, k0]
+    mass = jnp.einsum("bhgqk,q->hgk", local, q_ok.astype(jnp.float32))
+    return out, mass.reshape(-1, mass.shape[-1]), last.reshape(-1, last.shape[-1])
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -137,9 +139,9 @@ def _attend(layer_graphdef, n_local: int, positions: str, use_memory: bool, laye
             q_mem = apply_rope(q, jnp.full((1, q_len), n_local - 1, jnp.int32), inv_freq)
         groups.append((q_mem, mem_k[None], mem_v[None], mem_mask[None]))
 
-    out, mass = _joint_attention_and_local_mass(groups, q_ok)
+    out, mass, last_weights = _joint_attention_and_local_mass(groups, q_ok, n_valid)
     x = layer.finish(x, out)
-    return x, buf.replace(recent_k=recent_k, recent_v=recent_v, recent_score=buf.recent_score + mass)
+    return x, buf.replace(recent_k=recent_k, recent_v=recent_v, recent_score=buf.recent_score + mass), last_weights
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -208,13 +210,16 @@ class EMLLM:
 
     Attributes (inspectable state): ``buffers`` (per-layer ``LayerBuffers``), ``cache`` (``DeviceEventCache``),
     ``store`` (host ``EventStore``), ``segmenter`` (``EventSegmenter``: buffer fill, init length, stream length),
-    ``retrieved`` (per layer, the event ids attended by the last chunk, in temporal order).
+    ``retrieved`` (per layer, the event ids attended by the last chunk, in temporal order) and, with
+    ``diagnose=True``, ``attention`` (per layer, ``(key_positions, weights)`` of the last chunk's last query:
+    the stream position of every key, -1 for padding, int64 ``[keys]``, and its attention weights float32
+    ``[num_heads, keys]``; a key's weights sum over its copies, which the masks make disjoint).
 
     Raises ValueError for bad configs (see ``EMLLMConfig``), ``refine_from_layer >= num_layers``, empty input,
     batched input or token ids outside the vocabulary (TypeError for non-integer tokens).
     """
 
-    def __init__(self, model: Transformer, cfg: EMLLMConfig, *, index_factory=None):
+    def __init__(self, model: Transformer, cfg: EMLLMConfig, *, index_factory=None, diagnose: bool = False):
         mcfg = model.config
         if cfg.refinement is not None and cfg.refine_from_layer >= mcfg.num_layers:
             raise ValueError(f"refine_from_layer={cfg.refine_from_layer} must be < num_layers={mcfg.num_layers}")
@@ -226,6 +231,7 @@ class EMLLM:
         self._inv_freq = model.inv_freq
         self._index_factory = index_factory
         self.buffer_len = cfg.n_local + cfg.chunk_size + cfg.max_block_size
+        self.diagnose = diagnose
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -245,6 +251,7 @@ class EMLLM:
         self._contiguity = [ContiguityBuffer() for _ in range(m.num_layers)]
         self.segmenter = EventSegmenter(cfg, self.buffer_len, np.dtype(dt))
         self.retrieved: list[list[int]] = [[] for _ in range(m.num_layers)]
+        self.attention: list[tuple[np.ndarray, np.ndarray] | None] = [None] * m.num_layers
 
     def device_buffers(self) -> dict[str, jax.Array]:
         """Every per-stream device array (their sizes do not depend on the stream length)."""
@@ -331,16 +338,34 @@ class EMLLM:
             q, k, v, q_mean = _project(self._layer_graphdef, cfg.n_local, self._layer_states[layer], x, n,
                                        self._inv_freq)
             plan = self._plan_memory(layer, q_mean, n)
-            x, self.buffers[layer] = _attend(
+            x, self.buffers[layer], last_weights = _attend(
                 self._layer_graphdef, cfg.n_local, cfg.positions, cfg.memory, self._layer_states[layer],
                 self.buffers[layer], self.cache.k[layer],
                 self.cache.v[layer], x, q, k, v, self._inv_freq, *plan[:4], start, n, init_len, plan[4])
+            if self.diagnose:
+                self.attention[layer] = (self._key_positions(layer, start, n), np.asarray(last_weights))
         label_arr = np.zeros(q_len, np.int32)
         if labels is not None:
             label_arr[:n] = labels
         logits, surprise = _head(self._graphdef, self._state, x, label_arr[None])
         self._update_memory(n, None if labels is None else np.asarray(surprise)[:n])
         return logits
+
+    def _key_positions(self, layer: int, start: int, n: int) -> np.ndarray:
+        """Stream position of every key ``_attend`` sees (local window, then init, retrieved events and the
+        buffer outside the window), -1 for padding: int64 ``[sum(kv_len_i)]``, aligned with its weights."""
+        seg, cfg = self.segmenter, self.cfg
+        slots = np.arange(self.buffer_len)
+        buffered = np.where(slots < start + n, seg.start + slots, -1)
+        if not cfg.memory:
+            return buffered
+        init = np.where(np.arange(max(cfg.n_init, 1)) < seg.init_len, np.arange(max(cfg.n_init, 1)), -1)
+        events = np.full(cfg.memory_capacity, -1, np.int64)
+        spans = [self.store.starts[i] + np.arange(self.store.sizes[i]) for i in self.retrieved[layer]]
+        if spans:
+            flat = np.concatenate(spans)
+            events[:len(flat)] = flat
+        return np.concatenate([buffered, init, events, buffered[:self.buffer_len - cfg.n_local]])
 
     def _plan_memory(self, layer: int, q_mean, n: int):
         """Choose this layer's events, make them device-resident, and lay them out in temporal order.

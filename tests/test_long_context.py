@@ -1,0 +1,84 @@
+"""rag_jax.evaluation.long_context plumbing and EMLLM's attention diagnostics (tiny random model, byte tokens)."""
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rag_jax.data.tokenizer import byte_tokenizer
+from rag_jax.evaluation import long_context
+from rag_jax.memory import EMLLM, EMLLMConfig
+from rag_jax.model import ModelConfig, Transformer
+from rag_jax.model.load import LoadedModel
+from test_em_streaming import _rope64  # float64 rotate-half RoPE (tests/ is on sys.path under pytest)
+
+CFG = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  max_seq_len=512, rope_theta=10000.0)
+
+
+def _model(seed):
+    return Transformer(CFG, rngs=nnx.Rngs(seed))
+
+
+def test_diagnostic_weights_match_float64_reference():
+    """Layer 0 of the decode step: local keys at true distances, init / events / buffer outside the window at
+    distance n_local - 1 (note §4.4), one softmax; weights by stream position equal a NumPy float64 softmax."""
+    rng = np.random.default_rng(7)
+    model = _model(int(rng.integers(1000)))
+    tokens = rng.integers(0, 256, 150).astype(np.int32)
+    cfg = EMLLMConfig(n_init=4, n_local=32, n_mem=512, chunk_size=16, min_block_size=4, max_block_size=16,
+                      index="exact")
+    em = EMLLM(model, cfg, diagnose=True)
+    em.prefill(tokens)
+    positions, weights = em.attention[0]
+    seen = positions[(positions >= 0) & (weights.max(0) > 0)]
+    assert sorted(seen.tolist()) == list(range(len(tokens)))   # every token exactly once
+
+    x = model.embed(jnp.asarray(tokens)[None])
+    q, k, _ = model.layers[0].qkv(x)
+    q = np.asarray(q[0, -1], np.float64)                       # [H, d], last token, pre-RoPE
+    k = np.asarray(k[0], np.float64)                           # [T, kvh, d]
+    inv_freq = np.asarray(model.inv_freq)
+    t, group = len(tokens) - 1, CFG.num_heads // CFG.num_kv_heads
+    dist = t - np.arange(len(tokens))
+    local = dist < cfg.n_local
+    k_rot = np.where(local[:, None, None], _rope64(k, -dist, inv_freq), k)   # relative: key at -dist
+    q_mem = _rope64(q[None], np.array([cfg.n_local - 1]), inv_freq)[0]
+    ref = np.zeros((CFG.num_heads, len(tokens)))
+    for h in range(CFG.num_heads):
+        logits = np.where(local, k_rot[:, h // group] @ q[h], k[:, h // group] @ q_mem[h]) / np.sqrt(CFG.head_dim)
+        ref[h] = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    got = np.zeros_like(ref)
+    for j in range(len(tokens)):
+        got[:, j] = weights[:, positions == j].sum(1)
+    np.testing.assert_allclose(got, ref, atol=2e-5)
+
+
+def test_long_context_run_and_table(tmp_path: Path):
+    rng = np.random.default_rng(3)
+    loaded = LoadedModel(config=CFG, model=_model(int(rng.integers(1000))), arch="llama", tokenizer=byte_tokenizer(),
+                         chat_template=None, eos_ids=(), special_tokens={}, source=tmp_path)
+    sentences = long_context.filler_sentences("repeat")
+    ids, key_tokens = long_context.passkey_prompt(loaded, sentences, 400, 0.5, "12345")
+    assert abs(len(ids) - 400) <= 30
+    assert loaded.tokenizer.decode(ids[key_tokens].tolist()) == "1234512345"
+    base = EMLLMConfig(n_init=4, n_local=64, n_mem=64, chunk_size=32, min_block_size=4, max_block_size=16,
+                       refine_from_layer=1, index="exact")
+    methods = ["em_llm", "em_llm_refine", "em_llm_contiguity", "inf_llm", "sliding", "full"]
+    report = long_context.run(loaded, methods, [300, 600], 1, "repeat", base, infllm_block=16, max_new_tokens=3,
+                              with_diagnostics=True, log=lambda *_: None)
+    rows = report["results"]
+    assert [r["method"] for r in rows] == methods + [m for m in methods if m != "full"]
+    for r in rows:
+        assert isinstance(r["correct"], bool) and r["seconds"] > 0
+        assert ("diagnostics" in r) == (r["method"] != "full")
+        if "diagnostics" in r:
+            layers = r["diagnostics"]["layers"]
+            assert len(layers) == CFG.num_layers
+            assert all(0 <= x["key_mass_mean"] <= x["key_mass_max_head"] <= 1 + 1e-6 for x in layers)
+            assert 0 <= r["diagnostics"]["p_first_digit"] <= 1
+    table = long_context.summary_table(report)
+    for m in methods:
+        line = next(x for x in table.splitlines() if x.startswith(f"| {m} "))
+        hits = [int(r["correct"]) for r in rows if r["method"] == m]
+        assert f"{hits[0]}/1" in line and (m == "full" or f"{hits[1]}/1" in line)
