@@ -297,6 +297,11 @@ def _answers(cfg: DemoConfig, data, model, tokenizer, td, ranked, progress: bool
 
 def run_cli(args) -> int:
     """``rag-jax demo`` (arguments defined in ``rag_jax.cli``)."""
-    cfg = load_demo_config(args.config, args.overrides)
-    run(cfg, data_path=args.data, out_dir=args.out, progress=not args.no_progress)
+    model = getattr(args, "model", None)
+    cfg = load_demo_config(args.config, args.overrides, real_model=model is not None)
+    if model is not None:
+        from rag_jax.demo.real_model import run_real
+        run_real(cfg, model, data_path=args.data, out_dir=args.out or "runs/demo_real", progress=not args.no_progress)
+        return 0
+    run(cfg, data_path=args.data, out_dir=args.out or "runs/demo", progress=not args.no_progress)
     return 0
