@@ -17,7 +17,7 @@ import importlib
 import sys
 import time
 
-EVALS = ("block_quality", "grit_eval", "passkey", "rag_qa", "retrieval_nq", "retrieval_recall")
+EVALS = ("block_nq", "block_quality", "grit_eval", "passkey", "rag_qa", "retrieval_nq", "retrieval_recall")
 BENCHES = ("em_llm_bench", "grit_caching", "model_vs_torch", "retrieval_bench", "train_bench", "ttft")
 SCRIPTS = {"eval": ("rag_jax.evaluation", EVALS), "bench": ("rag_jax.benchmarks", BENCHES)}
 # Verbs whose arguments belong to another module's parser: (module, leading arguments).

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from rag_jax import demo
@@ -72,3 +73,20 @@ def test_real_track_end_to_end(tmp_path):
         ids = list(stream_tokens(loaded.model, chat_prompt(loaded, [{"role": "user", "content": message}]),
                                  max_new_tokens=4))
         assert ex["no_retrieval"] == loaded.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def test_block_nq_split_negatives_and_placement():
+    from rag_jax.evaluation import block_nq
+    train, held = block_nq.heldout_split(103, 0.2, seed=5)
+    assert len(held) == 21 and sorted(train + held) == list(range(103))
+    assert block_nq.heldout_split(103, 0.2, seed=5) == (train, held) != block_nq.heldout_split(103, 0.2, seed=6)
+    ranked = np.random.default_rng().permutation(30)
+    gold, skip = int(ranked[1]), [int(ranked[0]), int(ranked[4])]
+    neg = block_nq.hard_negatives(ranked, gold, 5, skip)
+    assert neg == [int(x) for x in ranked if x != gold and x not in skip][:5] and gold not in neg
+    assert block_nq.place(neg, gold, 0)[0] == gold and block_nq.place(neg, gold, 5)[-1] == gold
+    assert block_nq.place(neg, gold, 2) == [*neg[:2], gold, *neg[2:]]
+    with pytest.raises(ValueError, match="search deeper"):
+        block_nq.hard_negatives(ranked[:6], gold, 5, skip)
+    with pytest.raises(ValueError, match="position=6"):
+        block_nq.place(neg, gold, 6)
