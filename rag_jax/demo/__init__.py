@@ -20,6 +20,9 @@ This module is orchestration and the report; every stage is a component of the l
 7. **Report**: ``metrics.json``, ``loss.png``, ``ttft.png``, and the run folder files (``config.yaml``,
    ``tokenizer.json``, ``metrics.jsonl``, TensorBoard, orbax ``checkpoints/``) in the output folder.
 
+``--model NAME`` (``rag_jax.demo.real_model``) skips training: a pretrained chat model (e.g.
+``smollm2-135m-instruct``) answers from the same MiniLM/ScaNN retrieval, zero-shot, in the same report format.
+
 Configuration: :class:`DemoConfig` (defaults = the CPU demo), a YAML file (``--config``, e.g.
 ``train/configs/demo_gpu.yaml``) and ``key=value`` overrides, loaded by ``rag_jax.config.load_config``.
 """
