@@ -32,10 +32,8 @@ def _hf_folder(path: Path) -> Path:
 
 
 class _Loaded:
-    tokenizer = byte_tokenizer()
-    chat_template = CHATML
-    special_tokens = {}
-    source = Path("tiny")
+    def __init__(self):
+        self.tokenizer, self.chat_template, self.special_tokens, self.source = byte_tokenizer(), CHATML, {}, Path("tiny")
 
 
 def test_blocks_are_the_chat_template_prompt():

@@ -153,7 +153,12 @@ def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: 
     """The ``qa`` report section (as the default demo's ``_answers``) and the ``BlockAttention``."""
     from tqdm.auto import tqdm
 
-    from rag_jax.evaluation.rag import generate_answers, mean_scores, score_answer, with_gold
+    from rag_jax.evaluation.rag import (
+        generate_answers,
+        mean_scores,
+        score_answer,
+        with_gold,
+    )
     from rag_jax.inference.block_attention import BlockAttention
     from rag_jax.inference.kv_store import KVStore
 

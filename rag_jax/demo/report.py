@@ -71,9 +71,10 @@ def format_report(report: dict) -> str:
              f"articles cut into section passages: {d['train_passages']} train / {d['eval_passages']} held-out",
              f"model: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['params'] / 1e6:.2f}M params, "
              f"vocab {m['vocab_size']}; {origin}",
-             f"training: {tr['steps']} steps in {tr['seconds']:.0f} s (+{tr['compile_seconds']:.0f} s compile); final "
-             f"loss {tr['final']['loss']:.3f}, GRIT in-batch top-1 {tr['final']['rep_accuracy']:.2f}, "
-             f"next-token accuracy (loss-weighted) {tr['final']['gen_accuracy']:.2f}" if tr else "training: none", ""]
+             (f"training: {tr['steps']} steps in {tr['seconds']:.0f} s (+{tr['compile_seconds']:.0f} s compile); "
+              f"final loss {tr['final']['loss']:.3f}, GRIT in-batch top-1 {tr['final']['rep_accuracy']:.2f}, "
+              f"next-token accuracy (loss-weighted) {tr['final']['gen_accuracy']:.2f}") if tr else "training: none",
+             ""]
     rows = [[r["retriever"], *[r[f"recall@{c}"] for c in ks], *[r[f"hit@{c}"] for c in ks]]
             for r in report["retrieval"].values()]
     lines += [f"retrieval of gold passages among {d['eval_passages']} held-out passages (ScaNN), "
