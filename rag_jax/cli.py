@@ -17,7 +17,8 @@ import importlib
 import sys
 import time
 
-EVALS = ("block_quality", "grit_eval", "long_context", "passkey", "rag_qa", "retrieval_nq", "retrieval_recall")
+EVALS = ("block_nq", "block_quality", "grit_eval", "long_context", "passkey", "rag_qa", "retrieval_nq",
+         "retrieval_recall")
 BENCHES = ("attention", "em_llm_bench", "grit_caching", "load_and_speed", "model_vs_torch", "retrieval_bench",
            "train_bench", "ttft")
 SCRIPTS = {"eval": ("rag_jax.evaluation", EVALS), "bench": ("rag_jax.benchmarks", BENCHES)}
@@ -98,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default=None, help="YAML config (e.g. train/configs/demo_gpu.yaml)")
     demo.add_argument("--data", default=None,
                       help="PhantomWiki-format folder (articles.json + questions.json) instead of generated universes")
-    demo.add_argument("--out", default="runs/demo", help="output folder (report, plots, checkpoint)")
+    demo.add_argument("--out", default=None, help="output folder (report, plots, checkpoint); default runs/demo, "
+                      "runs/demo_real with --model")
+    demo.add_argument("--model", default=None,
+                      help="real-model track: a pretrained chat model (e.g. smollm2-135m-instruct, a .gguf file or "
+                      "an HF folder) answers zero-shot from the demo's retrieval; no training (rag_jax/demo/real_model.py)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(func=_demo)
     from rag_jax.inference.chat import add_subcommands

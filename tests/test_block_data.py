@@ -107,14 +107,58 @@ def test_sft_example_blocks(tokenizer):
              {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "A\n\nB"},
              {"role": "assistant", "content": "C"}]
     ex = build_sft_example(tokenizer, multi, max_blocks=3)
-    # local chunks (chars): system 20, "<|user|>\nHi\n\n" 12, "there\n" 6, assistant 34: merge 12+6, then 20+18
-    texts = ["<|system|>\nBe brief.\n<|user|>\nHi\n\nthere\n", "<|assistant|>\nHello<|end_of_text|>\n",
+    # chunks merge within their message only: the user's two chunks merge, then every message is one
+    # block, so 4 blocks remain (more than max_blocks, as in the reference)
+    texts = ["<|system|>\nBe brief.\n", "<|user|>\nHi\n\nthere\n", "<|assistant|>\nHello<|end_of_text|>\n",
              "<|user|>\nA\n\nB\n<|assistant|>\n"]          # last user message = one global block
     assert [list(b) for b in ex.blocks] == [_ids(tokenizer, t) for t in texts]
     with pytest.raises(ValueError, match="last message must be the assistant"):
         build_sft_example(tokenizer, multi[:-1])
     with pytest.raises(ValueError, match="role"):
         build_sft_example(tokenizer, [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}])
+
+
+def _chars(text):
+    return [ord(c) for c in text]
+
+
+def _block_texts(ex):
+    return ["".join(map(chr, b)) for b in ex.blocks]
+
+
+def test_sft_blocks_never_span_two_messages():
+    """Issue 17 item 6: the greedy cross-message merge put "B\\n" and "<|assistant|>\\nC" in one block."""
+    chat = [{"role": "user", "content": "Aaaa\n\nB"}, {"role": "assistant", "content": "C\n\nDddd"},
+            {"role": "user", "content": "E"}, {"role": "assistant", "content": "R"}]
+    ex = build_sft_example(_chars, chat, max_blocks=3)
+    assert _block_texts(ex) == ["<|user|>\nAaaa\n\nB\n", "<|assistant|>\nC\n\nDddd<|end_of_text|>\n",
+                                "<|user|>\nE\n<|assistant|>\n"]
+
+
+ROLES = st.sampled_from(["system", "user", "assistant"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(ROLES, st.text(alphabet="ab\n-", min_size=1, max_size=30)), min_size=1, max_size=6),
+       st.integers(1, 8))
+def test_sft_blocks_partition_messages(prompt, max_blocks):
+    """Independent check: the blocks tile the role-wrapped prompt, no block crosses a message boundary,
+    and the block count is the target unless the per-message floor (or the chunk count) forbids it."""
+    chat = [{"role": r, "content": c} for r, c in prompt] + [{"role": "assistant", "content": "ok"}]
+    ex = build_sft_example(_chars, chat, max_blocks=max_blocks)
+    wrapped = [block_rag.ROLE_WRAPPERS[r][0] + c + block_rag.ROLE_WRAPPERS[r][1] for r, c in prompt]
+    texts = _block_texts(ex)
+    assert "".join(texts) == "".join(wrapped) + block_rag.ASSISTANT_TAG
+    ends = np.cumsum([len(w) for w in wrapped])
+    start = 0
+    for i, t in enumerate(texts):
+        end = start + len(t) - (len(block_rag.ASSISTANT_TAG) if i == len(texts) - 1 else 0)
+        message = int(np.searchsorted(ends, start, side="right"))
+        assert end <= ends[message], f"block {i} {t!r} crosses into message {message + 1}"
+        start = end
+    n_chunks = sum(len(split_by_delimiter(c)) for _, c in prompt[:-1]) + (1 if len(prompt) > 1 else
+                                                                         len(split_by_delimiter(prompt[0][1])))
+    assert len(texts) == min(n_chunks, max(max_blocks, len(prompt)))
 
 
 def _paper_block_mask(local_sizes: list[int], global_size: int, pad: int) -> np.ndarray:

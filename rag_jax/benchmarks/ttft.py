@@ -20,6 +20,8 @@ attended (query, key) pair. ``% bound`` = measured speedup / FLOP bound.
     rag-jax bench ttft --sizes 2048,4096,8192,16384     # the issue's sizes
     rag-jax bench ttft --sizes 2048,4096,8192 --threads 1 --clock cpu   # on a shared, busy machine
     rag-jax bench ttft --preset llama3.2-1b --dtype bfloat16 --sizes 32768 --no_hf   # one H200
+    rag-jax bench ttft --model smollm2-135m-instruct --block_len 300 --sizes 1250,3050   # real weights:
+        # 4 / 10 passages of 300 tokens + a 50-token question (issue 17 item 2)
 
 Each measurement runs in its own loop (steady state, as a server answering requests of one kind):
 interleaving a full prefill, which touches gigabytes, between block prefills slowed the latter by ~1.6x at
@@ -100,6 +102,9 @@ def main(argv=None) -> int:
     p.add_argument("--last_len", type=int, default=50, help="tokens in the last block (instruction + question)")
     p.add_argument("--block_len", type=int, default=256, help="tokens per cached passage block")
     p.add_argument("--preset", default=None, help="model preset (e.g. llama3.2-1b); default: the dims below")
+    p.add_argument("--model", default=None,
+                   help="pretrained weights instead of a random model: an embedded name (smollm2-135m-instruct), "
+                        "a .gguf file or an HF folder (rag_jax.model.load.load_model); token ids stay random")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -129,12 +134,19 @@ def main(argv=None) -> int:
     if min(sizes) <= args.last_len:
         p.error(f"every size must exceed --last_len={args.last_len}; got {sizes}")
     dims = dict(dtype=args.dtype, param_dtype=args.dtype, max_seq_len=max(sizes))
-    if args.preset:
-        cfg = ModelConfig.preset(args.preset, **dims)
+    if args.model:
+        from rag_jax.model.load import load_model
+        model = load_model(args.model, dtype=args.dtype).model
+        cfg = model.config
+        if max(sizes) > cfg.max_seq_len:
+            p.error(f"--sizes up to {max(sizes)} exceed {args.model}'s max_seq_len={cfg.max_seq_len}")
     else:
-        cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                          num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, **dims)
-    model = Transformer(cfg, rngs=nnx.Rngs(args.seed))
+        if args.preset:
+            cfg = ModelConfig.preset(args.preset, **dims)
+        else:
+            cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                              num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, **dims)
+        model = Transformer(cfg, rngs=nnx.Rngs(args.seed))
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
     store = KVStore(max_bytes=2 * kv_bytes_per_token * max(sizes) + (1 << 20))
     ba = BlockAttention(model, store=store, fingerprint=f"bench-seed{args.seed}", pad_multiple=args.pad_multiple)
@@ -148,7 +160,7 @@ def main(argv=None) -> int:
             torch.set_num_threads(args.threads)
     print(f"backend={jax.default_backend()} devices={jax.device_count()} cpu_cores={os.cpu_count()} "
           f"threads={args.threads or 'default'} clock={args.clock} "
-          f"model: hidden={cfg.hidden_size} layers={cfg.num_layers} heads={cfg.num_heads}/{cfg.num_kv_heads} "
+          f"model: {args.model or 'random'} hidden={cfg.hidden_size} layers={cfg.num_layers} heads={cfg.num_heads}/{cfg.num_kv_heads} "
           f"vocab={cfg.vocab_size} dtype={cfg.dtype}; last block {args.last_len} tokens, passage blocks "
           f"{args.block_len} tokens; median of {args.repeats}", flush=True)
     rng = np.random.default_rng(args.seed)

@@ -219,18 +219,56 @@ def split_blocks(text: str, max_blocks: int = 14, size: Callable[[str], int] = l
     return merge_smallest(split_by_delimiter(text), max_blocks, size)
 
 
+def merge_within_messages(messages: Sequence[Sequence[str]], max_blocks: int,
+                          size: Callable[[str], int] = len) -> list[list[str]]:
+    """Merge adjacent chunks of the same message, smallest combined ``size`` first, until at most
+    ``max_blocks`` chunks remain in total or every message is a single chunk.
+
+    Text of two messages never shares a chunk, so with more messages than ``max_blocks`` the result
+    keeps one chunk per message (the reference ``post_process_messages`` in
+    ``data_process/tulu3/preprocess_block.py`` also merges within a message only and stops there).
+    The reference merges a message's smallest chunk with a neighbour; we take the smallest adjacent
+    pair over all messages (same rule as ``merge_smallest``).
+
+    Args:
+      messages: per message, its chunks in order (each message has at least one chunk).
+      max_blocks: the target total number of chunks, >= 1.
+      size: measures a chunk (characters by default; pass a token counter to merge by tokens).
+
+    Raises:
+      ValueError: ``max_blocks < 1`` or a message without chunks.
+    """
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks={max_blocks} must be >= 1")
+    groups = [list(g) for g in messages]
+    for i, g in enumerate(groups):
+        if not g:
+            raise ValueError(f"messages[{i}] has no chunks; every message needs at least one")
+    sizes = [[size(c) for c in g] for g in groups]
+    while sum(len(g) for g in groups) > max_blocks:
+        pairs = [(s[j] + s[j + 1], m, j) for m, s in enumerate(sizes) for j in range(len(s) - 1)]
+        if not pairs:
+            break
+        _, m, j = min(pairs)
+        groups[m][j:j + 2] = [groups[m][j] + groups[m][j + 1]]
+        sizes[m][j:j + 2] = [size(groups[m][j])]
+    return groups
+
+
 def build_sft_example(tokenizer: Any, messages: Sequence[dict[str, str]], *, max_blocks: int = 14,
                       size: Callable[[str], int] = len) -> BlockExample:
     """A block example from a chat: the final assistant message is the response.
 
     Following note §1.1: earlier messages are wrapped in their role tags and split at delimiters; in a
     multi-turn chat the last user message is one global block, in a single-turn chat the last chunk
-    of the user message is the global block. ``<|assistant|>\\n`` ends the last block. Local blocks are
-    merged (smallest adjacent pair first) so that at most ``max_blocks`` blocks remain in total.
+    of the user message is the global block. ``<|assistant|>\\n`` ends the last block. Chunks are
+    merged within their message only (``merge_within_messages``, smallest adjacent pair first) down to
+    ``max_blocks`` blocks in total; a block never holds text of two messages, so a prompt of more than
+    ``max_blocks`` messages gets one block per message.
 
     Raises:
-      ValueError: fewer than 2 messages, a role outside ``ROLE_WRAPPERS``, or the last message is not
-        from the assistant.
+      ValueError: fewer than 2 messages, a role outside ``ROLE_WRAPPERS``, the last message is not
+        from the assistant, or ``max_blocks < 1``.
     """
     if len(messages) < 2:
         raise ValueError(f"messages has {len(messages)} entries; need at least a user and an assistant message")
@@ -243,22 +281,11 @@ def build_sft_example(tokenizer: Any, messages: Sequence[dict[str, str]], *, max
     if max_blocks < 1:
         raise ValueError(f"max_blocks={max_blocks} must be >= 1")
     prompt = messages[:-1]
-    chunks: list[str] = []
-    for m in prompt[:-1]:
-        chunks.extend(_wrap(m["role"], split_by_delimiter(m["content"])))
-    last = prompt[-1]
-    if len(prompt) > 1:
-        prefix, suffix = ROLE_WRAPPERS[last["role"]]
-        global_block = prefix + last["content"] + suffix
-    else:
-        pieces = _wrap(last["role"], split_by_delimiter(last["content"]))
-        chunks.extend(pieces[:-1])
-        global_block = pieces[-1]
-    if max_blocks == 1:
-        global_block, chunks = "".join(chunks) + global_block, []
-    elif chunks:
-        chunks = merge_smallest(chunks, max_blocks - 1, size)
-    texts = [*chunks, global_block + ASSISTANT_TAG]
+    groups = [_wrap(m["role"], split_by_delimiter(m["content"])) for m in prompt]
+    if len(prompt) > 1:              # multi-turn: the last user message is one global block
+        groups[-1] = _wrap(prompt[-1]["role"], [prompt[-1]["content"]])
+    texts = [c for g in merge_within_messages(groups, max_blocks, size) for c in g]
+    texts[-1] += ASSISTANT_TAG
     blocks = tuple(tuple(encode(tokenizer, t)) for t in texts)
     response = tuple(encode(tokenizer, messages[-1]["content"] + END_OF_TEXT))
     return BlockExample(blocks, response)

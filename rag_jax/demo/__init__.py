@@ -20,6 +20,9 @@ This module is orchestration and the report; every stage is a component of the l
 7. **Report**: ``metrics.json``, ``loss.png``, ``ttft.png``, and the run folder files (``config.yaml``,
    ``tokenizer.json``, ``metrics.jsonl``, TensorBoard, orbax ``checkpoints/``) in the output folder.
 
+``--model NAME`` (``rag_jax.demo.real_model``) skips training: a pretrained chat model (e.g.
+``smollm2-135m-instruct``) answers from the same MiniLM/ScaNN retrieval, zero-shot, in the same report format.
+
 Configuration: :class:`DemoConfig` (defaults = the CPU demo), a YAML file (``--config``, e.g.
 ``train/configs/demo_gpu.yaml``) and ``key=value`` overrides, loaded by ``rag_jax.config.load_config``.
 """
@@ -297,6 +300,11 @@ def _answers(cfg: DemoConfig, data, model, tokenizer, td, ranked, progress: bool
 
 def run_cli(args) -> int:
     """``rag-jax demo`` (arguments defined in ``rag_jax.cli``)."""
-    cfg = load_demo_config(args.config, args.overrides)
-    run(cfg, data_path=args.data, out_dir=args.out, progress=not args.no_progress)
+    model = getattr(args, "model", None)
+    cfg = load_demo_config(args.config, args.overrides, real_model=model is not None)
+    if model is not None:
+        from rag_jax.demo.real_model import run_real
+        run_real(cfg, model, data_path=args.data, out_dir=args.out or "runs/demo_real", progress=not args.no_progress)
+        return 0
+    run(cfg, data_path=args.data, out_dir=args.out or "runs/demo", progress=not args.no_progress)
     return 0

@@ -170,21 +170,31 @@ class DemoConfig:
                 "architecture and tokenizer; remove them, or set base=null to train a tokenizer and model from scratch")
 
 
-def _demo_defaults(user: dict) -> dict:
+# Defaults of the real-model track (``rag-jax demo --model``): a 135M model generating on CPU answers fewer
+# questions, and its sentence replies need more tokens than the tiny reader's spans.
+REAL_MODEL_EVAL = dict(max_questions=50, max_new_tokens=24, batch_size=64, ttft_passages=[1, 2, 4], ttft_repeats=3)
+
+
+def _demo_defaults(user: dict, real_model: bool = False) -> dict:
     model = user.get("model")
     preset = isinstance(model, dict) and "preset" in model
-    return {"optimizer": dict(DEMO_OPTIMIZER), **({} if preset else {"model": dict(DEMO_MODEL)})}
+    return {"optimizer": dict(DEMO_OPTIMIZER), **({} if preset else {"model": dict(DEMO_MODEL)}),
+            **({"eval": dict(REAL_MODEL_EVAL)} if real_model else {})}
 
 
-def load_demo_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> DemoConfig:
+def load_demo_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (), *,
+                     real_model: bool = False) -> DemoConfig:
     """Demo defaults <- YAML file <- ``key=value`` overrides (``rag_jax.config.load_config``).
+
+    ``real_model``: the real-model track's ``eval`` defaults (``REAL_MODEL_EVAL``) replace the CPU demo's.
 
     Raises:
       rag_jax.config.ConfigError (a ValueError): missing/invalid YAML, unknown key (with the closest
         valid one), wrong type, key set twice, a section's own validation error, or ``model`` /
         ``tokenizer`` set while a ``base`` fixes them.
     """
-    return config_lib.load_config(DemoConfig, path, list(overrides), defaults=_demo_defaults)
+    return config_lib.load_config(DemoConfig, path, list(overrides),
+                                  defaults=lambda user: _demo_defaults(user, real_model))
 
 
 def resolve_base(base: str) -> Path:

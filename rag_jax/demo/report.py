@@ -28,11 +28,14 @@ def line_plot(path: Path, series: list[tuple[list, list, str]], *, xlabel: str, 
 
 def plots(history: list[dict], ttft: list[dict], out: Path) -> dict[str, str]:
     """``loss.png`` (training curves) and ``ttft.png`` (full vs cached prefill) in ``out``; ``{name: path}``."""
-    steps = [h["step"] for h in history]
-    losses = (("loss", "total (L_Rep + λ·L_Gen)"), ("loss_rep", "GRIT L_Rep (contrastive)"),
-              ("loss_full", "Block-Attention loss, full pass"), ("loss_block", "Block-Attention loss, block pass"))
-    files = {"loss_plot": line_plot(out / "loss.png", [(steps, [h[k] for h in history], label) for k, label in losses],
-                                    xlabel="step", ylabel="loss (nats)", title="rag-jax demo: training loss")}
+    files = {}
+    if history:             # the real-model track (``rag_jax.demo.real_model``) trains nothing
+        steps = [h["step"] for h in history]
+        losses = (("loss", "total (L_Rep + λ·L_Gen)"), ("loss_rep", "GRIT L_Rep (contrastive)"),
+                  ("loss_full", "Block-Attention loss, full pass"), ("loss_block", "Block-Attention loss, block pass"))
+        files["loss_plot"] = line_plot(out / "loss.png", [(steps, [h[k] for h in history], label)
+                                                          for k, label in losses],
+                                       xlabel="step", ylabel="loss (nats)", title="rag-jax demo: training loss")
     if ttft:
         x = [r["prompt_tokens"] for r in ttft]
         files["ttft_plot"] = line_plot(
@@ -47,8 +50,11 @@ CONDITION_LABELS = {
     "no_retrieval": "no retrieval (question only)",
     "retrieval_full": "retrieved top-{k}, full attention",
     "retrieval_block": "retrieved top-{k}, Block-Attention (KV reuse)",
+    "oracle_full": "gold passage(s) in top-{k}, full attention",
     "oracle_block": "gold passage(s) in top-{k}, Block-Attention",
 }
+# Extra answer columns of the real-model track (its replies are sentences; it reports ``answer_recall``).
+EXTRA_SCORES = (("subspan_em", "subspan-EM"), ("answer_recall", "answer recall"))
 
 
 def format_report(report: dict) -> str:
@@ -56,25 +62,30 @@ def format_report(report: dict) -> str:
     d, tr, qa = report["data"], report["train"], report["qa"]
     k = qa["num_passages"]
     ks = report["config"]["retrieval"]["ks"]
+    m = report["model"]
+    origin = (f"pretrained {m['name']}, zero-shot" if m.get("name") else
+              f"fine-tuned from base {m['base']}" if m.get("base") else "from scratch")
     lines = ["", "=" * 78, "rag-jax demo report", "=" * 78,
              f"data: {d['source']}",
              f"task: {d['question_kind']} questions; {d['train_questions']} train / {d['eval_questions']} held-out; "
              f"articles cut into section passages: {d['train_passages']} train / {d['eval_passages']} held-out",
-             f"model: {report['model']['num_layers']} layers, hidden {report['model']['hidden_size']}, "
-             f"{report['model']['params'] / 1e6:.2f}M params, vocab {report['model']['vocab_size']}; "
-             + (f"fine-tuned from base {report['model']['base']}" if report['model'].get('base') else "from scratch"),
-             f"training: {tr['steps']} steps in {tr['seconds']:.0f} s (+{tr['compile_seconds']:.0f} s compile); final "
-             f"loss {tr['final']['loss']:.3f}, GRIT in-batch top-1 {tr['final']['rep_accuracy']:.2f}, "
-             f"next-token accuracy (loss-weighted) {tr['final']['gen_accuracy']:.2f}", ""]
+             f"model: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['params'] / 1e6:.2f}M params, "
+             f"vocab {m['vocab_size']}; {origin}",
+             (f"training: {tr['steps']} steps in {tr['seconds']:.0f} s (+{tr['compile_seconds']:.0f} s compile); "
+              f"final loss {tr['final']['loss']:.3f}, GRIT in-batch top-1 {tr['final']['rep_accuracy']:.2f}, "
+              f"next-token accuracy (loss-weighted) {tr['final']['gen_accuracy']:.2f}") if tr else "training: none",
+             ""]
     rows = [[r["retriever"], *[r[f"recall@{c}"] for c in ks], *[r[f"hit@{c}"] for c in ks]]
             for r in report["retrieval"].values()]
     lines += [f"retrieval of gold passages among {d['eval_passages']} held-out passages (ScaNN), "
               f"{d['eval_questions']} questions:",
               table(["embedder", *[f"recall@{c}" for c in ks], *[f"hit@{c}" for c in ks]], rows), ""]
-    rows = [[CONDITION_LABELS[c].format(k=k), v["set_em"], v["set_f1"], v["f1"], v["seconds"]]
-            for c, v in qa["conditions"].items()]
+    first = next(iter(qa["conditions"].values()))
+    extra = EXTRA_SCORES if "answer_recall" in first else ()
+    rows = [[CONDITION_LABELS[c].format(k=k), *[v[key] for key, _ in extra], v["set_em"], v["set_f1"], v["f1"],
+             v["seconds"]] for c, v in qa["conditions"].items()]
     lines += [f"answers to {qa['num_questions']} held-out questions (retriever: {qa['retriever']}; greedy):",
-              table(["condition", "EM", "set-F1", "token-F1", "seconds"], rows)]
+              table(["condition", *[name for _, name in extra], "EM", "set-F1", "token-F1", "seconds"], rows)]
     kv = qa.get("kv_store")
     if kv:
         lines.append(f"passage KV store: {kv['entries']} cached blocks ({kv['bytes'] / 2**20:.1f} MiB), "

@@ -79,29 +79,35 @@ def retrieval_eval(name: str, embed_docs, embed_queries, docs: Sequence[str], qu
 
 
 def generate_answers(block_attention, tokenizer, prompts: Sequence[Sequence[Sequence[int]]], *, mode: str,
-                     max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy answers (text up to ``<eos>``) for block prompts via ``BlockAttention.generate``."""
-    eos = tokenizer.token_to_id(EOS)
+                     max_new_tokens: int, batch_size: int, eos_id: int | Sequence[int] | None = None) -> list[str]:
+    """Greedy answers (text up to the first end id) for block prompts via ``BlockAttention.generate``.
+
+    ``eos_id``: the id(s) that end an answer; default the demo tokenizer's ``<eos>``.
+    """
+    from rag_jax.inference.generate import eos_tuple
+    eos = eos_tuple(tokenizer.token_to_id(EOS) if eos_id is None else eos_id)
     rows = []
     for i in range(0, len(prompts), batch_size):
         out = block_attention.generate(prompts[i:i + batch_size], max_new_tokens=max_new_tokens, mode=mode,
                                        eos_id=eos)
         rows.extend(np.asarray(out).tolist())
-    return [tokenizer.decode(r[:r.index(eos)] if eos in r else r, skip_special_tokens=True).strip() for r in rows]
+    cut = [next((j for j, t in enumerate(r) if t in eos), len(r)) for r in rows]
+    return [tokenizer.decode(r[:n], skip_special_tokens=True).strip() for r, n in zip(rows, cut)]
 
 
 
 def ttft_curve(block_attention, tokenizer, passages: Sequence[str], question: str, sizes: Sequence[int],
-               repeats: int, progress: bool = False) -> list[dict]:
+               repeats: int, progress: bool = False, last: Sequence[int] | None = None) -> list[dict]:
     """TTFT (ms, median) of one prompt with ``n`` passages for each ``n`` in ``sizes``: a full causal
     prefill vs Block-Attention prefill of the question block over warm passage caches (both up to the
-    first token's logits). Sizes whose prompt exceeds ``max_seq_len`` (or the passages given) are skipped."""
+    first token's logits). Sizes whose prompt exceeds ``max_seq_len`` (or the passages given) are skipped.
+    ``last``: the question block's ids (default: the demo's ``question_block(question)``)."""
     import jax
     from tqdm.auto import tqdm
 
     from rag_jax.data.block_rag import encode
 
-    last = encode(tokenizer, question_block(question))
+    last = list(last) if last is not None else encode(tokenizer, question_block(question))
     rows = []
     for n in tqdm(sizes, desc="TTFT full vs cached", unit="size", disable=not progress):
         if n > len(passages):

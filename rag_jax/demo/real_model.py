@@ -1,0 +1,194 @@
+"""``rag-jax demo --model NAME``: the demo's retrieval feeding a pretrained chat model, zero-shot (no training).
+
+Same data (``rag_jax.data.phantom_rag.prepare_data``), retrieval (MiniLM into a ScaNN index over the
+held-out passages, ``rag_jax.evaluation.rag.retrieval_eval``) and report format as the default demo; the
+reader is a pretrained model loaded by ``rag_jax.model.load.load_model`` (e.g. ``smollm2-135m-instruct``)
+and prompted with its own chat template, greedy.
+
+Prompt blocks (Block-Attention, Ma et al. ICLR 2025 §2.1 RAG layout: system block, one block per passage,
+global last block): the chat template is rendered around one user message; the text before the message
+(system turn + user tag) plus the instruction is block 0, every passage is a block, and the question
+with the rest of the template (end of turn + assistant tag) is the global last block. Every block is
+tokenized on its own (``rag_jax.data.block_rag.encode``), so full and block mode see the same ids.
+Without fine-tuning, block mode is expected to lose accuracy (the paper's Table 1 "w/o block fine-tuning").
+
+Answers are scored with best-subspan EM (the gold answer occurs in the reply, as Lost in the Middle; a
+chat model answers in sentences) and ``answer_recall`` (fraction of a gold answer set in the reply), plus
+the default demo's EM / set-F1 / token-F1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+
+from rag_jax import config as config_lib
+from rag_jax.demo.config import DemoConfig
+
+INSTRUCTION = "Answer the question using the documents below. Reply with the answer only.\n\n"
+PASSAGE = "Document: {text}\n\n"
+QUESTION = "Question: {question}"
+_SLOT = "\x00MESSAGE\x00"
+
+
+class ChatBlocks:
+    """Chat-template prompt blocks for one loaded model (module docstring).
+
+    Args:
+      loaded: a ``rag_jax.model.load.LoadedModel`` with a tokenizer and a chat template.
+
+    Raises:
+      ValueError: the model has no tokenizer or no chat template, or the template drops the message.
+    """
+
+    def __init__(self, loaded):
+        from rag_jax.inference.chat import render_chat
+        if loaded.tokenizer is None or loaded.chat_template is None:
+            raise ValueError(f"model {loaded.source} needs a tokenizer and a chat template for the demo's "
+                             "real-model track")
+        text = render_chat(loaded.chat_template, [{"role": "user", "content": _SLOT}], **loaded.special_tokens)
+        if text.count(_SLOT) != 1:
+            raise ValueError(f"chat template of {loaded.source} does not render the user message once")
+        self.head, self.tail = text.split(_SLOT)
+        self.tokenizer = loaded.tokenizer
+
+    def blocks(self, question: str, passages: Sequence[str]) -> list[list[int]]:
+        """``[head + instruction, passage_1, ..., passage_k, question + template tail]`` as token ids."""
+        from rag_jax.data.block_rag import encode
+        texts = [self.head + INSTRUCTION, *[PASSAGE.format(text=p.strip()) for p in passages],
+                 QUESTION.format(question=question) + self.tail]
+        return [encode(self.tokenizer, t) for t in texts]
+
+
+def answer_recall(prediction: str, golds: Sequence[str]) -> float:
+    """Fraction of the gold answers that occur (SQuAD-normalized) in ``prediction``."""
+    from rag_jax.metrics import best_subspan_em
+    return sum(best_subspan_em(prediction, g) for g in golds) / len(golds)
+
+
+def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike | None = None,
+             out_dir: str | os.PathLike = "runs/demo_real", progress: bool = True, log=print) -> dict:
+    """Run the real-model track and return the report (also ``metrics.json`` in ``out_dir``).
+
+    Raises:
+      PermissionError: ``out_dir`` is not writable. FileNotFoundError: the model's package, MiniLM, or
+      ``data_path`` is missing. ValueError: malformed data, too few questions, a model without chat
+      template. All before any generation.
+    """
+    from rag_jax.atomic import write_text
+    from rag_jax.data.phantom_rag import prepare_data
+    from rag_jax.demo import check_output_dir
+    from rag_jax.demo.report import format_report, plots
+    from rag_jax.evaluation.rag import retrieval_eval, ttft_curve
+    from rag_jax.evaluation.timing import StageTimer
+    from rag_jax.model import count_params
+    from rag_jax.model.load import load_model
+    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts, minilm_dir
+
+    timer = StageTimer()
+    out = check_output_dir(out_dir)
+    minilm_dir()                                  # FileNotFoundError with the install hint, before compute
+    log(f"[1/6] data: {'loading ' + str(data_path) if data_path else 'generating universes'}")
+    data = prepare_data(cfg.universe, cfg.task, data_path)
+    timer.stage("data")
+
+    log(f"[2/6] model: {model_name} (pretrained, zero-shot; no training)")
+    loaded = load_model(model_name)
+    chat = ChatBlocks(loaded)
+    timer.stage("model")
+
+    log("[3/6] retrieval: MiniLM embeddings of held-out passages, ScaNN index, recall@k")
+    minilm = BertEmbedder()
+    docs = [p["text"] for p in data.eval_passages]
+    questions = data.eval_questions
+    ranked, metrics = retrieval_eval(
+        "MiniLM-L6 (pretrained)", lambda x: embed_texts(minilm, x, desc="MiniLM passages", progress=progress),
+        minilm.embed, docs, [q["question"] for q in questions], [q["gold"] for q in questions],
+        [q["hops"] for q in questions], cfg.retrieval.ks, cfg.retrieval.scann,
+        max(max(cfg.retrieval.ks), cfg.task.num_passages + 1))
+    timer.stage("retrieval")
+
+    log(f"[4/6] answering {min(cfg.eval.max_questions, len(questions))} held-out questions: no retrieval / "
+        "retrieval (full, block) / gold")
+    qa, ba = _answers(cfg, data, loaded, chat, ranked, progress)
+    timer.stage("answers")
+
+    log("[5/6] TTFT: full prefill vs cached passages")
+    order = [int(j) for j in ranked[0] if j >= 0]
+    order += [j for j in range(len(docs)) if j not in order]
+    ttft = ttft_curve(ba, loaded.tokenizer, [PASSAGE.format(text=docs[j].strip()) for j in order],
+                      questions[0]["question"], cfg.eval.ttft_passages, cfg.eval.ttft_repeats, progress,
+                      last=chat.blocks(questions[0]["question"], [])[-1])
+    timer.stage("ttft")
+
+    log("[6/6] report")
+    files = {"metrics": str(out / "metrics.json"), **plots([], ttft, out)}
+    mc = loaded.config
+    report = {
+        "config": {**{k: config_lib.to_dict(getattr(cfg, k)) for k in ("universe", "task", "retrieval", "eval")},
+                   "model": model_name},
+        "data": {"source": data.source, "question_kind": data.question_kind, "train_questions": 0,
+                 "eval_questions": len(questions), "train_articles": data.num_articles[0],
+                 "eval_articles": data.num_articles[1], "train_passages": len(data.train_passages),
+                 "eval_passages": len(data.eval_passages)},
+        "model": {"name": model_name, "source": str(loaded.source), "params": count_params(mc), "base": None,
+                  **{f: getattr(mc, f) for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                                                 "vocab_size")}},
+        "train": None,
+        "retrieval": {"minilm": metrics},
+        "qa": qa,
+        "ttft": ttft,
+        "files": files,
+    }
+    timer.stage("report")
+    report.update(timings=timer.wall, cpu_timings=timer.cpu)
+    report["total_seconds"], report["cpu_seconds"] = timer.total()
+    write_text(out / "metrics.json", json.dumps(report, indent=1, default=float))
+    log(format_report(report))
+    return report
+
+
+def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: bool):
+    """The ``qa`` report section (as the default demo's ``_answers``) and the ``BlockAttention``."""
+    from tqdm.auto import tqdm
+
+    from rag_jax.evaluation.rag import (
+        generate_answers,
+        mean_scores,
+        score_answer,
+        with_gold,
+    )
+    from rag_jax.inference.block_attention import BlockAttention
+    from rag_jax.inference.kv_store import KVStore
+
+    k = cfg.task.num_passages
+    docs = [p["text"] for p in data.eval_passages]
+    questions = data.eval_questions[:cfg.eval.max_questions]
+    ba = BlockAttention(loaded.model, store=KVStore(max_bytes=1 << 30), fingerprint=str(loaded.source))
+    prompts = {
+        "no_retrieval": [chat.blocks(q["question"], []) for q in questions],
+        "retrieval": [chat.blocks(q["question"], [docs[j] for j in ranked[i][:k] if j >= 0])
+                      for i, q in enumerate(questions)],
+        "oracle": [chat.blocks(q["question"], [docs[j] for j in with_gold(ranked[i], q["gold"], k)])
+                   for i, q in enumerate(questions)],
+    }
+    plan = [("no_retrieval", "no_retrieval", "full"), ("retrieval_full", "retrieval", "full"),
+            ("retrieval_block", "retrieval", "block"), ("oracle_full", "oracle", "full"),
+            ("oracle_block", "oracle", "block")]
+    conditions, predictions = {}, {}
+    for name, which, mode in tqdm(plan, desc="answering", unit="condition", disable=not progress):
+        t0 = time.perf_counter()
+        preds = generate_answers(ba, loaded.tokenizer, prompts[which], mode=mode,
+                                 max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
+                                 eos_id=loaded.eos_ids)
+        rows = [{**score_answer(p, q["answer"]), "answer_recall": answer_recall(p, q["answer"])}
+                for p, q in zip(preds, questions)]
+        conditions[name] = {**mean_scores(rows), "seconds": time.perf_counter() - t0, "mode": mode}
+        predictions[name] = preds
+    qa = {"num_questions": len(questions), "retriever": "minilm", "num_passages": k,
+          "max_new_tokens": cfg.eval.max_new_tokens, "conditions": conditions,
+          "kv_store": {"entries": len(ba.store), "bytes": ba.store.nbytes, **ba.store.stats},
+          "examples": [{"question": q["question"], "gold": q["answer"],
+                        **{c: predictions[c][i] for c in predictions}} for i, q in enumerate(questions[:3])]}
+    return qa, ba
