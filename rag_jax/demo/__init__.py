@@ -31,37 +31,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from rag_jax import config as config_lib
 from rag_jax.data.phantom_rag import BOS, EOS, PAD, answer_text, question_block, rag_example
 from rag_jax.demo.config import (DEFAULT_BASE, DEMO_MODEL, DEMO_OPTIMIZER, DemoConfig, TokenizerConfig,
                                  load_demo_config, resolve_base)
-from rag_jax.demo.report import format_report, plots
+from rag_jax.demo.report import check_output_dir, format_report, plots
 from rag_jax.model.config import ModelConfig
 
 __all__ = ["DemoConfig", "load_demo_config", "resolve_base", "run", "run_cli", "DEFAULT_BASE", "DEMO_MODEL",
            "DEMO_OPTIMIZER"]
-
-
-def check_output_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` and check a file can be written there (before any compute).
-
-    Raises:
-      PermissionError: the folder cannot be created or written (the message says why).
-    """
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise PermissionError(f"output directory {str(path)!r} is not writable ({e.strerror or e}); "
-                              "pass --out with a writable folder") from None
-    return path
-
 
 
 def _mesh(cfg: DemoConfig):

@@ -78,8 +78,7 @@ def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike |
     """
     from rag_jax.atomic import write_text
     from rag_jax.data.phantom_rag import prepare_data
-    from rag_jax.demo import check_output_dir
-    from rag_jax.demo.report import format_report, plots
+    from rag_jax.demo.report import check_output_dir, format_report, plots
     from rag_jax.evaluation.rag import retrieval_eval, ttft_curve
     from rag_jax.evaluation.timing import StageTimer
     from rag_jax.model import count_params

@@ -1,6 +1,8 @@
-"""The ``rag-jax demo`` report: the printed summary and the loss / TTFT plots."""
+"""The ``rag-jax demo`` report: the output folder check, the printed summary and the loss / TTFT plots."""
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from rag_jax.data.phantom_rag import answer_text
@@ -106,4 +108,19 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` and check a file can be written there (before any compute).
 
+    Raises:
+      PermissionError: the folder cannot be created or written (the message says why).
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PermissionError(f"output directory {str(path)!r} is not writable ({e.strerror or e}); "
+                              "pass --out with a writable folder") from None
+    return path
