@@ -29,7 +29,6 @@ Configuration: :class:`DemoConfig` (defaults = the CPU demo), a YAML file (``--c
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from rag_jax import config as config_lib
 from rag_jax.data.phantom_rag import BOS, EOS, PAD, answer_text, question_block, rag_example
 from rag_jax.demo.config import (DEFAULT_BASE, DEMO_MODEL, DEMO_OPTIMIZER, DemoConfig, TokenizerConfig,
                                  load_demo_config, resolve_base)
-from rag_jax.demo.report import check_output_dir, format_report, plots
+from rag_jax.demo.report import check_output_dir, plots, write_report
 from rag_jax.model.config import ModelConfig
 
 __all__ = ["DemoConfig", "load_demo_config", "resolve_base", "run", "run_cli", "DEFAULT_BASE", "DEMO_MODEL",
@@ -203,13 +202,7 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
         "devices": f"{mesh.size} x {jax.devices()[0].device_kind}",
         "files": files,
     }
-    timer.stage("report")
-    report.update(timings=timer.wall, cpu_timings=timer.cpu)
-    report["total_seconds"], report["cpu_seconds"] = timer.total()
-    from rag_jax.atomic import write_text
-    write_text(out / "metrics.json", json.dumps(report, indent=1, default=float))
-    log(format_report(report))
-    return report
+    return write_report(report, timer, out, log)
 
 
 def _retrieval(cfg: DemoConfig, data, model, tokenizer, td, fmt, have_minilm: bool, progress: bool):

@@ -18,7 +18,6 @@ the default demo's EM / set-F1 / token-F1.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -76,9 +75,8 @@ def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike |
       ``data_path`` is missing. ValueError: malformed data, too few questions, a model without chat
       template. All before any generation.
     """
-    from rag_jax.atomic import write_text
     from rag_jax.data.phantom_rag import prepare_data
-    from rag_jax.demo.report import check_output_dir, format_report, plots
+    from rag_jax.demo.report import check_output_dir, plots, write_report
     from rag_jax.evaluation.rag import retrieval_eval, ttft_curve
     from rag_jax.evaluation.timing import StageTimer
     from rag_jax.model import count_params
@@ -140,12 +138,7 @@ def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike |
         "ttft": ttft,
         "files": files,
     }
-    timer.stage("report")
-    report.update(timings=timer.wall, cpu_timings=timer.cpu)
-    report["total_seconds"], report["cpu_seconds"] = timer.total()
-    write_text(out / "metrics.json", json.dumps(report, indent=1, default=float))
-    log(format_report(report))
-    return report
+    return write_report(report, timer, out, log)
 
 
 def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: bool):

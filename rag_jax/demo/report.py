@@ -124,3 +124,17 @@ def check_output_dir(path: str | os.PathLike) -> Path:
         raise PermissionError(f"output directory {str(path)!r} is not writable ({e.strerror or e}); "
                               "pass --out with a writable folder") from None
     return path
+
+
+def write_report(report: dict, timer, out: Path, log) -> dict:
+    """Close the timing (``timings`` / ``cpu_timings`` per stage, ``total_seconds`` / ``cpu_seconds``), write
+    ``out/metrics.json`` atomically and log the printed summary; returns ``report``."""
+    import json
+
+    from rag_jax.atomic import write_text
+    timer.stage("report")
+    report.update(timings=timer.wall, cpu_timings=timer.cpu)
+    report["total_seconds"], report["cpu_seconds"] = timer.total()
+    write_text(out / "metrics.json", json.dumps(report, indent=1, default=float))
+    log(format_report(report))
+    return report
