@@ -28,6 +28,9 @@ Semantics (fixed here, shared with the official rules for the relations both hav
   be read to know that). Attribute anchors contribute every person holding that value.
 * Count questions ("How many friends does X have?") answer the set of distinct counts over the
   subjects, zeros included (official behaviour); answers are sorted strings.
+
+Over 500 lines on purpose: facts, article text and question templates + their Prolog-style answers are
+one specification (PhantomWiki's); split apart, a reader would have to hold three files to check one question.
 """
 from __future__ import annotations
 
