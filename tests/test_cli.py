@@ -20,7 +20,7 @@ def test_unknown_name_is_one_line_error(capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "nosuch" in err and all(name in err for name in cli.EVALS)
     assert cli.main(["bench", "block_quality"]) == 2       # an eval name is not a bench
-    assert "valid: em_llm_bench" in capsys.readouterr().err
+    assert "valid: attention, em_llm_bench" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("verb,name", [("bench", n) for n in cli.BENCHES] + [("eval", n) for n in cli.EVALS])
