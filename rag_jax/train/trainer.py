@@ -414,7 +414,8 @@ def _seq_len(batch: dict) -> int:
 
 
 def _tokens(batch: dict) -> int:
-    """Tokens per step for throughput: non-padding tokens of the main ``tokens`` array, or 0 (unknown)."""
+    """Tokens per step for throughput: every position of the main ``tokens`` array (padding included, as MFU
+    counts the compute), or 0 when the batch has none."""
     tokens = batch.get("tokens")
     return int(np.prod(tokens.shape)) if tokens is not None else 0
 
