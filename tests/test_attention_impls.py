@@ -218,6 +218,9 @@ def test_resolve_impl_per_backend_and_length():
     assert resolve_impl("auto", 8192, 8192, backend="tpu") == "splash"
     assert resolve_impl("auto", 200, 256, backend="cpu") == "dense"
     assert resolve_impl("auto", 1024, 1024, backend="cpu") == "blockwise"
+    assert resolve_impl("auto", 50, 3050, backend="cpu") == "dense"      # a last block over cached passages
+    assert resolve_impl("auto", 129, 3050, backend="cpu") == "blockwise"
+    assert resolve_impl("auto", 1, 1 << 21, backend="cpu") == "blockwise"
     assert resolve_impl("dense", 8192, 8192, backend="gpu") == "dense"
     with pytest.raises(ValueError, match="attention_impl='flash' is not supported; valid"):
         resolve_impl("flash", 1, 1)
@@ -252,3 +255,36 @@ def test_whole_model_logits_dense_equals_blockwise(monkeypatch):
         ref = dense(tokens, pos, seg, **kwargs).logits
         got = blockwise(tokens, pos, seg, **kwargs).logits
         np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(ref)[valid], atol=TOL, rtol=0)
+
+
+def test_long_sequence_mlp_chunks_equal_a_float64_swiglu(monkeypatch):
+    from rag_jax.model import transformer
+    monkeypatch.setattr(transformer, "MLP_CHUNK", 16)  # 50 tokens: chunks of 16, 16, 16 and a ragged 2
+    cfg = ModelConfig.tiny(mlp_bias=True)
+    mlp = transformer.MLP(cfg, nnx.Rngs(3))
+    rng = np.random.default_rng(5)
+    for name in ("gate_bias", "up_bias", "down_bias"):  # biases start at zero: give them values
+        getattr(mlp, name)[...] = jnp.asarray(rng.normal(size=getattr(mlp, name).shape), jnp.float32)
+    x = rng.normal(size=(2, 50, cfg.hidden_size))
+    w = {n: np.asarray(getattr(mlp, n)[...], np.float64) for n in ("gate", "up", "down", "gate_bias", "up_bias",
+                                                                  "down_bias")}
+    g, u = x @ w["gate"] + w["gate_bias"], x @ w["up"] + w["up_bias"]
+    ref = (g / (1 + np.exp(-g)) * u) @ w["down"] + w["down_bias"]
+    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x, jnp.float32))), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_temporaries_do_not_grow_with_depth():
+    """With the memory-optimized XLA:CPU scheduler (set by ``import rag_jax``) the layers' blockwise loops
+    share buffers: 8 layers need about the temporaries of 2 (the default scheduler: +19 MB per layer at 8K)."""
+    def temp_mb(num_layers):
+        cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=num_layers,
+                          num_heads=4, num_kv_heads=2, max_seq_len=4096, attention_impl="blockwise")
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+        def fwd(state, tokens, positions, segment_ids):
+            m = nnx.merge(graphdef, state)
+            return m.logits(m(tokens, positions, segment_ids).hidden[:, -1:])
+        t = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
+        return jax.jit(fwd).lower(state, t, t, t).compile().memory_analysis().temp_size_in_bytes / 2**20
+    shallow, deep = temp_mb(2), temp_mb(8)
+    assert deep < 1.25 * shallow, (shallow, deep)

@@ -45,6 +45,7 @@ def worker(impl: str, length: int, args) -> dict:
     """One measurement in this process: ``impl`` in ATTENTION_IMPLS or ``hf``."""
     import numpy as np
     tokens = np.random.default_rng(args.seed).integers(1, 4000, (1, length))
+    os.environ["JAX_PLATFORMS"] = args.platform  # e.g. no TPU runtime probe (and its memory) on a CPU bench
     if args.threads:  # read when the XLA backend starts, not at import
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
                                    f"{'false' if args.threads == 1 else 'true'} "
@@ -120,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall: elapsed time; cpu: CPU time of the worker (all threads), which a shared, "
                         "oversubscribed machine does not inflate (use with --threads 1)")
+    p.add_argument("--platform", default="cpu", help="JAX platform of the rag_jax rows (JAX_PLATFORMS)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

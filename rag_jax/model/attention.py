@@ -30,9 +30,13 @@ from rag_jax.model.blockwise import MASK_VALUE, blockwise_attention
 from rag_jax.model.config import ATTENTION_IMPLS
 from rag_jax.model.masks import MaskSpec
 
-# On CPU, auto runs dense only up to one blockwise tile (256 x 256 pairs per head): SmolLM2-135M prefill
-# was already ~2x faster blockwise at 1K tokens (bench/attention.py), and blockwise memory stays flat.
+# On CPU, auto runs dense up to one blockwise tile (256 x 256 pairs per head): SmolLM2-135M prefill was
+# already ~2x faster blockwise at 1K tokens (bench/attention.py), and blockwise memory stays flat. A few
+# queries over a long cache (Block-Attention's last block, decoding) run dense up to 2^20 pairs per head:
+# 50 queries over 3,050 cached keys took 6.6 ms per SmolLM2 layer dense vs 8.2 ms blockwise (one thread).
 AUTO_DENSE_MAX_PAIRS = 256 * 256
+AUTO_DENSE_SHORT_Q = 128             # queries
+AUTO_DENSE_SHORT_Q_MAX_PAIRS = 1 << 20
 
 
 def check_impl(impl: str) -> None:
@@ -53,18 +57,24 @@ def resolve_impl(impl: str, q_len: int, kv_len: int, backend: str | None = None)
         return "cudnn"
     if backend == "tpu":
         return "splash"
-    return "dense" if q_len * kv_len <= AUTO_DENSE_MAX_PAIRS else "blockwise"
+    pairs = q_len * kv_len
+    short = q_len <= AUTO_DENSE_SHORT_Q and pairs <= AUTO_DENSE_SHORT_Q_MAX_PAIRS
+    return "dense" if pairs <= AUTO_DENSE_MAX_PAIRS or short else "blockwise"
 
 
 def _group_logits(q, k, mask):
     """q ``[b, q_len, num_heads, head_dim]``, k ``[b, kv_len, num_kv_heads, head_dim]`` ->
-    float32 logits ``[b, num_kv_heads, group, q_len, kv_len]`` (masked, scaled by 1/sqrt(head_dim))."""
-    num_kv_heads = k.shape[2]
+    float32 logits ``[b, num_kv_heads, group, q_len, kv_len]`` (masked, scaled by 1/sqrt(head_dim)).
+
+    The query heads of a KV head and their positions form one ``group * q_len`` row dimension of a
+    single matmul per KV head (fast for a short last block over a long cache, Block-Attention's TTFT)."""
+    num_kv_heads, q_len = k.shape[2], q.shape[1]
     if q.shape[2] % num_kv_heads:
         raise ValueError(f"num_heads={q.shape[2]} must be a multiple of num_kv_heads={num_kv_heads}")
-    qg = einops.rearrange(q, "b q (h g) d -> b h g q d", h=num_kv_heads)
-    logits = jnp.einsum("bhgqd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-    logits = logits * (q.shape[-1] ** -0.5)
+    qg = einops.rearrange(q, "b q (h g) d -> b h (g q) d", h=num_kv_heads)
+    kt = einops.rearrange(k, "b k h d -> b h k d")
+    logits = jnp.einsum("bhmd,bhkd->bhmk", qg, kt, preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
+    logits = einops.rearrange(logits, "b h (g q) k -> b h g q k", q=q_len)
     return jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
 
 
@@ -73,14 +83,19 @@ def _dense_mask(mask):
 
 
 def _dense_joint(groups, return_weights):
-    masks = [_dense_mask(m) for _, _, _, m in groups]
-    logits = jnp.concatenate([_group_logits(q, k, m) for (q, k, _, _), m in zip(groups, masks)], axis=-1)
-    mask = jnp.concatenate(masks, axis=-1)[:, None, None]
-    weights = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
-    v = jnp.concatenate([g[2] for g in groups], axis=1)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = einops.rearrange(out, "b q h g d -> b q (h g) d").astype(groups[0][0].dtype)
-    return (out, weights) if return_weights else out
+    """Softmax normalized after the value matmul (``exp(s - max) @ v / sum``): one pass less over the
+    ``[q, kv]`` weights. A fully masked row (max = ``MASK_VALUE``) divides by infinity: zero output."""
+    logits = jnp.concatenate([_group_logits(q, k, _dense_mask(m)) for q, k, _, m in groups], axis=-1)
+    row_max = logits.max(-1, keepdims=True)
+    e = jnp.exp(logits - row_max)
+    total = jnp.where(row_max > MASK_VALUE / 2, e.sum(-1, keepdims=True), jnp.inf)
+    v = einops.rearrange(jnp.concatenate([g[2] for g in groups], axis=1), "b k h d -> b h k d")
+    q_len = groups[0][0].shape[1]
+    out = jnp.einsum("bhmk,bhkd->bhmd", einops.rearrange(e, "b h g q k -> b h (g q) k").astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    out = einops.rearrange(out, "b h (g q) d -> b h g q d", q=q_len) / total
+    out = einops.rearrange(out, "b h g q d -> b q (h g) d").astype(groups[0][0].dtype)
+    return (out, e / total) if return_weights else out
 
 
 def _merge_lse(outs, lses):

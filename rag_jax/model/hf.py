@@ -6,7 +6,6 @@ of names plus reshapes/transposes (``_tensor_map``). Nothing is ever fetched fro
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -265,15 +264,13 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[Model
     param_dtype = dtype or (stored if stored in ("float32", "bfloat16", "float16") else "float32")
     cfg = cfg.replace(param_dtype=param_dtype, dtype="float32" if param_dtype == "float32" else param_dtype)
     files = _safetensors_files(path)
-    with contextlib.ExitStack() as stack:
-        handles = {}
+    def get_tensor(name):
+        # Open per tensor: the file's mapped pages leave the RSS once each tensor is copied out, so a load
+        # peaks at about the weights plus one tensor, not the weights twice (issue 15's memory budget).
+        with safe_open(files[name], framework="flax") as f:
+            return f.get_tensor(name)
 
-        def get_tensor(name):
-            if files[name] not in handles:
-                handles[files[name]] = stack.enter_context(safe_open(files[name], framework="flax"))
-            return handles[files[name]].get_tensor(name)
-
-        model = build_model(cfg, files, get_tensor, f"the safetensors files in {path}")
+    model = build_model(cfg, files, get_tensor, f"the safetensors files in {path}")
     return cfg, model, arch
 
 

@@ -40,15 +40,27 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any]
     return jnp.asarray(inv_freq, jnp.float32)
 
 
+def rope_angles(positions: jnp.ndarray, inv_freq: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """float32 ``(cos, sin)`` ``[batch, seq, 1, head_dim]`` of integer ``positions: [batch, seq]``.
+
+    Computed once per forward and shared by every layer: the trigonometry of a long cached prefix
+    costs more than the rotation itself (issue 17's Block-Attention TTFT)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, head_dim/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotate ``x: [batch, seq, heads, head_dim]`` by ``rope_angles`` tables; float32 math, ``x.dtype`` out."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated_half = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated_half * sin).astype(x.dtype)
+
+
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: jnp.ndarray) -> jnp.ndarray:
     """Rotate ``x: [batch, seq, heads, head_dim]`` to integer ``positions: [batch, seq]``.
 
     Angles are computed in float32 and the result is cast back to ``x.dtype``.
     """
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, head_dim/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated_half = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated_half * sin).astype(x.dtype)
+    return rotate(x, *rope_angles(positions, inv_freq))

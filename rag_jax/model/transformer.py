@@ -22,10 +22,11 @@ from rag_jax.model.attention import attend
 from rag_jax.model.config import ModelConfig
 from rag_jax.model.kv import KVSegment
 from rag_jax.model.masks import MASK_MODES, MaskSpec
-from rag_jax.model.rope import apply_rope, rope_inv_freq
+from rag_jax.model.rope import rope_angles, rope_inv_freq, rotate
 
 REMAT_POLICIES = ("none", "full", "dots")
 ACTIVATION_AXES = ("batch", "seq", "activation_embed")
+MLP_CHUNK = 2048  # tokens per MLP call in long sequences (bounds the [b, s, intermediate] activations)
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal") -> nnx.Param:
@@ -99,6 +100,15 @@ class MLP(nnx.Module):
         self.mlp_bias = cfg.mlp_bias
 
     def __call__(self, x):
+        """``x [b, s, hidden]`` -> ``[b, s, hidden]``; sequences longer than ``MLP_CHUNK`` tokens run in chunks
+        of that many tokens (same values; the ``[b, s, intermediate]`` activations of a long prefill are never
+        held at once)."""
+        s = x.shape[1]
+        if s <= MLP_CHUNK:
+            return self._swiglu(x)
+        return jnp.concatenate([self._swiglu(x[:, i:i + MLP_CHUNK]) for i in range(0, s, MLP_CHUNK)], axis=1)
+
+    def _swiglu(self, x):
         dt = x.dtype
         bias = (lambda name: getattr(self, name)[...].astype(dt)) if self.mlp_bias else (lambda name: 0)
         g = x @ self.gate[...].astype(dt) + bias("gate_bias")
@@ -125,21 +135,20 @@ class DecoderLayer(nnx.Module):
         x = x + self.attn.output(attn_out)
         return x + self.mlp(self.post_attn_norm(x))
 
-    def __call__(self, x, positions, mask, inv_freq, cache_k=None, cache_v=None, cache_positions=None, *,
-                 impl: str = "auto"):
-        """One pre-norm block; ``mask`` a ``MaskSpec`` (or dense bool mask), ``impl`` the attention
+    def __call__(self, x, q_rope, k_rope, mask, cache_k=None, cache_v=None, *, impl: str = "auto"):
+        """One pre-norm block; ``q_rope`` / ``k_rope`` the ``rope.rope_angles`` tables of the new tokens and of
+        all attended keys (cache first), ``mask`` a ``MaskSpec`` (or dense bool mask), ``impl`` the attention
         implementation (``attention.attend``). Returns (x ``[b, s, hidden]``, (k, v) pre-RoPE of the new
         tokens)."""
         # Keep activations batch-sharded (a no-op outside a train step's mesh): without this hint XLA keeps
         # hidden states split like the weights and replicates them per chip (8B on v5p-64 does not fit).
         x = sharding.constrain(x, ACTIVATION_AXES)
         q, k, v = self.qkv(x)
-        k_all, v_all, k_pos = k, v, positions
+        k_all, v_all = k, v
         if cache_k is not None:
             k_all = jnp.concatenate([cache_k.astype(k.dtype), k], axis=1)
             v_all = jnp.concatenate([cache_v.astype(v.dtype), v], axis=1)
-            k_pos = jnp.concatenate([cache_positions, positions], axis=1)
-        out = attend(apply_rope(q, positions, inv_freq), apply_rope(k_all, k_pos, inv_freq), v_all, mask, impl=impl)
+        out = attend(rotate(q, *q_rope), rotate(k_all, *k_rope), v_all, mask, impl=impl)
         return sharding.constrain(self.finish(x, out), ACTIVATION_AXES), (k, v)
 
 
@@ -256,17 +265,17 @@ class Transformer(nnx.Module):
         masks = {w: MaskSpec.create(mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions,
                                     kv_positions=kv_pos, sliding_window=w)
                  for w in {window and cfg.layer_window(i) for i in range(cfg.num_layers)}}
-        inv_freq = self.inv_freq
+        q_rope = rope_angles(positions, self.inv_freq)  # once per forward, shared by the layers
+        k_rope = q_rope if kv_cache is None else rope_angles(kv_pos, self.inv_freq)
         layer_fn = self._layer_fn()
         x = self.embed(tokens)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             mask = masks[window and cfg.layer_window(i)]  # per-layer windows (HF layer_types)
             if kv_cache is None:
-                x, (k, v) = layer_fn(layer, x, positions, mask, inv_freq)
+                x, (k, v) = layer_fn(layer, x, q_rope, k_rope, mask)
             else:
-                x, (k, v) = layer_fn(layer, x, positions, mask, inv_freq, kv_cache.k[i], kv_cache.v[i],
-                                     kv_cache.positions)
+                x, (k, v) = layer_fn(layer, x, q_rope, k_rope, mask, kv_cache.k[i], kv_cache.v[i])
             ks.append(k)
             vs.append(v)
         hidden = self.final_norm(x)
