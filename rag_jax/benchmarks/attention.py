@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,10 @@ def _rss_mb() -> float:
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS (``VmHWM``). Not ``ru_maxrss``: Linux carries that over from the parent
+    across fork + exec, so every worker would report at least the parent's peak (e.g. a GGUF conversion)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def _time(fn, repeats: int, warmup: bool, clock) -> float:
