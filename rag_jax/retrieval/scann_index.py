@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "rag_jax.scann_index"
 AUTO_TARGET_RECALL = 0.97       # recall@num_neighbors the automatic tuning aims at (held-out margin over 0.95)
+PRECHECK_QUERIES = 200          # tuning first rejects clear misses on this many of the sample queries
 CONFIDENCE_Z = 3.0              # tuning accepts a setting when mean - Z * standard error of the sample recall >= target
 MODES = ("auto", "brute_force", "ah", "tree_ah")
 BRUTE_FORCE_MAX_SIZE = 20_000   # ScaNN docs: brute force below 20K points
@@ -273,8 +274,11 @@ class ScannIndex(VectorIndex):
         Grid: reorder counts ``k·1.25^i`` (up to ~100·k and n) and, for tree_ah, leaves counts on a ~1.15x
         geometric grid up to num_leaves; for each reorder count a binary search finds the fewest leaves
         that reach the target (recall grows with leaves; the search stops at the first reorder count that
-        needs a single leaf, or once 3 more reorder steps saved no leaf). The candidates are timed (median
-        of ``repeats`` runs over the sample) and the fastest is kept for later searches. With ``tune_leaves`` (tree_ah only) the tree is also rebuilt with
+        needs a single leaf, or once 3 more reorder steps saved no leaf). A setting whose recall on
+        ``PRECHECK_QUERIES`` spread sample queries is below the target by ``CONFIDENCE_Z`` standard errors
+        is rejected without the full sample (each check of an unreachable reorder count scans all
+        leaves). The candidates are timed (median of ``repeats`` runs over the sample) and the fastest is
+        kept for later searches. With ``tune_leaves`` (tree_ah only) the tree is also rebuilt with
         ``2·num_leaves`` leaves (when the size allows) and the faster of the two trees is kept.
 
         Args:
@@ -352,15 +356,23 @@ class ScannIndex(VectorIndex):
         """(fastest candidate, all candidates, reached) for the current searcher: see ``tune``."""
         n = len(self)
 
-        def recall(leaves, reorder) -> dict:
-            """Sample recall@k (mean) and its lower confidence bound (mean - Z standard errors)."""
-            rows, dist = self._raw_search(queries, fetch, leaves, reorder)
-            found = _drop_self(self._to_ids(rows, dist, fetch)[1], self_ids, k)
-            per_query = np.array([len(np.intersect1d(a, b)) for a, b in zip(found, truth)]) / k
+        def sample_recall(leaves, reorder, part=slice(None)) -> tuple[float, float]:
+            """(mean recall@k, its standard error) over the sample queries ``part``."""
+            rows, dist = self._raw_search(queries[part], fetch, leaves, reorder)
+            found = _drop_self(self._to_ids(rows, dist, fetch)[1], None if self_ids is None else self_ids[part], k)
+            per_query = np.array([len(np.intersect1d(a, b)) for a, b in zip(found, truth[part])]) / k
             sem = per_query.std(ddof=1) / math.sqrt(len(per_query)) if len(per_query) > 1 else 0.0
-            return {"recall": float(per_query.mean()), "recall_lower": float(per_query.mean() - CONFIDENCE_Z * sem)}
+            return float(per_query.mean()), float(sem)
+
+        def recall(leaves, reorder) -> dict:
+            mean, sem = sample_recall(leaves, reorder)
+            return {"recall": mean, "recall_lower": mean - CONFIDENCE_Z * sem}
 
         def passes(leaves, reorder) -> bool:
+            if len(queries) >= 2 * PRECHECK_QUERIES:  # a clear miss on a spread subsample costs a fraction
+                mean, sem = sample_recall(leaves, reorder, slice(None, None, len(queries) // PRECHECK_QUERIES))
+                if mean + CONFIDENCE_Z * sem < target_recall:
+                    return False
             return recall(leaves, reorder)["recall_lower"] >= target_recall
 
         reorders = sorted({min(round(fetch * 1.25 ** i), n) for i in range(21)})  # up to ~100·k
