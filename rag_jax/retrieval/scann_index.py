@@ -325,7 +325,9 @@ class ScannIndex(VectorIndex):
         fetch = k + (self_ids is not None)
         exact = ExactIndex(self.dim)
         exact.store = self.store
-        truth = _drop_self(exact.search(queries, fetch)[1], self_ids, k)
+        # 100 queries at a time: all 1000 at once against 1M vectors would hold a 4 GB score matrix.
+        truth = np.concatenate([exact.search(queries[i:i + 100], fetch)[1] for i in range(0, len(queries), 100)])
+        truth = _drop_self(truth, self_ids, k)
         trees = [self.params["num_leaves"]]
         if tune_leaves and self.params["mode"] == "tree_ah" and 2 * trees[0] <= n // self.config.min_points_per_leaf:
             trees.append(2 * trees[0])
