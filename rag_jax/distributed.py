@@ -13,6 +13,16 @@ coordination service's key-value store and reads everyone's. A peer whose counte
 ``RAG_JAX_PEER_TIMEOUT_S`` seconds (default 10), or a coordinator that stops answering, ends the process
 with one line (``rag_jax.distributed: process 0 lost process 1 (no heartbeat for 10 s); exiting``) and
 exit code 1. A process that exits normally marks itself ``exit`` first, so it is not reported.
+
+When process 0 itself dies, the coordination service (which lives in process 0) goes with it and JAX
+ends every survivor within a second, before this watchdog or any other Python code can run: the gRPC
+thread of JAX's coordination-service agent gets "connection reset", and the runtime client's default
+``missed_heartbeat_callback`` logs ``Terminating process because the JAX distributed service detected
+fatal errors ... the leader task was preempted/died`` at FATAL level and aborts (SIGABRT, with a C++ stack
+trace). ``jax.distributed.initialize`` does not expose that callback, and a Python callback injected
+into ``jax._src.lib._jax.get_distributed_runtime_client`` cannot receive its ``absl::Status`` argument
+in jaxlib 0.10.2 (the process dies with ``std::bad_cast``), so the survivors' message is JAX's own;
+they still exit non-zero at once (tests/test_reliability.py).
 """
 from __future__ import annotations
 

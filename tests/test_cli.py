@@ -43,3 +43,115 @@ def test_index_and_search_reach_the_retrieval_cli(verb, usage, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([verb, "--help"])
     assert e.value.code == 0 and usage in capsys.readouterr().out.splitlines()[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input to every eval and bench script (issue 18): one line on stderr naming the argument, exit
+# status 2, nothing written. In-process and stopped at argument parsing, so no model or data loads.
+# "{tmp}" is the test's folder (the working directory), holding "a_folder/" and "notes.txt".
+
+BAD_SCRIPT_INPUT = [
+    # (verb, script, arguments, the argument the error must name)
+    ("eval", "block_nq", ["--data", "{tmp}/missing.jsonl.gz"], "--data"),
+    ("eval", "block_nq", ["--limit", "-3"], "--limit"),
+    ("eval", "block_nq", ["--heldout", "nan"], "--heldout"),
+    ("eval", "block_nq", ["--positions", "0,x"], "--positions"),
+    ("eval", "block_nq", ["--model", "no-such-model"], "--model"),
+    ("eval", "block_nq", ["--out", "{tmp}/a_folder"], "--out"),
+    ("eval", "block_quality", ["--config", "{tmp}/missing.yaml"], "--config"),
+    ("eval", "block_quality", ["--model", "{tmp}/missing_run"], "--model"),
+    ("eval", "block_quality", ["--out", "{tmp}/notes.txt/x.json"], "--out"),
+    ("eval", "block_quality", ["train.steps=-5"], "train.steps"),
+    ("eval", "grit_eval", ["--modes", "embedding,nosuch"], "--modes"),
+    ("eval", "grit_eval", ["--config", "{tmp}/a_folder"], "--config"),
+    ("eval", "grit_eval", ["--json", "{tmp}/a_folder"], "--json"),
+    ("eval", "grit_eval", ["steps=nan"], "steps"),
+    ("eval", "long_context", ["--lengths", "2048", "0"], "--lengths"),
+    ("eval", "long_context", ["--samples", "2.5"], "--samples"),
+    ("eval", "long_context", ["--methods", "em_llm", "nosuch"], "--methods"),
+    ("eval", "long_context", ["--model", "{tmp}/notes.txt"], "--model"),
+    ("eval", "long_context", ["--em-config", "{tmp}/missing.yaml"], "--em-config"),
+    ("eval", "long_context", ["--set", "nosuch_key=1"], "nosuch_key"),
+    ("eval", "passkey", ["--lr", "nan"], "--lr"),
+    ("eval", "passkey", ["--train-len", "5000"], "--train-len"),
+    ("eval", "passkey", ["--methods", "nosuch"], "--methods"),
+    ("eval", "passkey", ["--init-from", "{tmp}/missing_model"], "--init-from"),
+    ("eval", "passkey", ["--model", "{tmp}/notes.txt"], "--model"),
+    ("eval", "passkey", ["--samples", "-1"], "--samples"),
+    ("eval", "rag_qa", ["--model", "{tmp}/missing_run", "--data", "{tmp}/a_folder"], "--model"),
+    ("eval", "rag_qa", ["--model", "{tmp}/a_folder", "--data", "{tmp}/missing"], "--data"),
+    ("eval", "rag_qa", ["--model", "{tmp}/a_folder", "--data", "{tmp}/a_folder", "--limit", "-1"], "--limit"),
+    ("eval", "rag_qa", ["--model", "{tmp}/a_folder", "--data", "{tmp}/a_folder", "--retriever", "bm25"],
+     "--retriever"),
+    ("eval", "retrieval_nq", ["--data", "{tmp}/missing.jsonl.gz"], "--data"),
+    ("eval", "retrieval_nq", ["--target-recall", "1.5"], "--target-recall"),
+    ("eval", "retrieval_nq", ["--limit", "0"], "--limit"),
+    ("eval", "retrieval_nq", ["--cache", "{tmp}/a_folder"], "--cache"),
+    ("eval", "retrieval_recall", ["--data", "{tmp}/missing"], "--data"),
+    ("eval", "retrieval_recall", ["--data", "{tmp}/a_folder", "--ks", "1,x"], "--ks"),
+    ("eval", "retrieval_recall", ["--data", "{tmp}/a_folder", "--questions", "nosuch"], "--questions"),
+    ("eval", "retrieval_recall", ["--data", "{tmp}/a_folder", "--max-hops", "-1"], "--max-hops"),
+    ("bench", "attention", ["--impls", "dense,nosuch"], "--impls"),
+    ("bench", "attention", ["--sizes", "1024,abc"], "--sizes"),
+    ("bench", "attention", ["--repeats", "0"], "--repeats"),
+    ("bench", "attention", ["--model", "no-such-model"], "--model"),
+    ("bench", "em_llm_bench", ["--preset", "nosuch"], "--preset"),
+    ("bench", "em_llm_bench", ["--lengths", "-5"], "--lengths"),
+    ("bench", "em_llm_bench", ["--skip", "nosuch"], "--skip"),
+    ("bench", "em_llm_bench", ["--em-config", "{tmp}/missing.yaml"], "--em-config"),
+    ("bench", "grit_caching", ["--modes", "nosuch"], "--modes"),
+    ("bench", "grit_caching", ["--sizes", "nan"], "--sizes"),
+    ("bench", "grit_caching", ["--dtype", "int8"], "--dtype"),
+    ("bench", "grit_caching", ["--repeats", "1.5"], "--repeats"),
+    ("bench", "load_and_speed", ["--model", "no-such-model"], "--model"),
+    ("bench", "load_and_speed", ["--model", "{tmp}/a_folder"], "--model"),
+    ("bench", "load_and_speed", ["--lengths", "2.5"], "--lengths"),
+    ("bench", "load_and_speed", ["--iters", "0"], "--iters"),
+    ("bench", "model_vs_torch", ["--lr", "nan"], "--lr"),
+    ("bench", "model_vs_torch", ["--batch", "-1"], "--batch"),
+    ("bench", "model_vs_torch", ["--iters", "1.5"], "--iters"),
+    ("bench", "retrieval_bench", ["--sizes", "-5"], "--sizes"),
+    ("bench", "retrieval_bench", ["--target-recall", "nan"], "--target-recall"),
+    ("bench", "retrieval_bench", ["--k", "0"], "--k"),
+    ("bench", "retrieval_bench", ["--cluster-std", "inf"], "--cluster-std"),
+    ("bench", "retrieval_bench", ["--sizes", "5", "--k", "10"], "--k"),
+    ("bench", "train_bench", ["--preset", "nosuch"], "--preset"),
+    ("bench", "train_bench", ["--remat", "none", "nosuch"], "--remat"),
+    ("bench", "train_bench", ["--peak_flops", "nan"], "--peak_flops"),
+    ("bench", "train_bench", ["--steps", "0"], "--steps"),
+    ("bench", "ttft", ["--sizes", "1024,x"], "--sizes"),
+    ("bench", "ttft", ["--preset", "nosuch"], "--preset"),
+    ("bench", "ttft", ["--dtype", "int8"], "--dtype"),
+    ("bench", "ttft", ["--model", "no-such-model"], "--model"),
+    ("bench", "ttft", ["--last_len", "-1"], "--last_len"),
+    ("bench", "ttft", ["--sizes", "40", "--last_len", "50"], "--sizes"),
+]
+
+
+def _files(root):
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("verb,name,argv,flag", BAD_SCRIPT_INPUT,
+                         ids=[f"{v}-{n}-{' '.join(a).replace('{tmp}/', '')}" for v, n, a, _ in BAD_SCRIPT_INPUT])
+def test_bad_script_input_is_one_line_naming_it(verb, name, argv, flag, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "notes.txt").write_text("user data")
+    monkeypatch.chdir(tmp_path)
+    before = _files(tmp_path)
+    try:
+        code = cli.main([verb, name, *(a.format(tmp=tmp_path) for a in argv)])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.count("\n") == 0 and "error:" in err and flag in err, err
+    assert "Traceback" not in err
+    assert _files(tmp_path) == before
+    assert (tmp_path / "notes.txt").read_text() == "user data"
+
+
+def test_bad_script_input_counts():
+    """Every eval and bench script has bad-input cases above (the issue note counts them)."""
+    assert {n for _, n, _, _ in BAD_SCRIPT_INPUT} == set(cli.EVALS) | set(cli.BENCHES)
+    assert len(BAD_SCRIPT_INPUT) >= 60

@@ -42,3 +42,23 @@ def test_pretrain_exports_hf_folder_and_resumes(tmp_path, capsys):
     assert pr.main(common + ["--steps", "3"]) == 0     # resumes from the step-2 checkpoint
     assert "resumed at step 2" in capsys.readouterr().out
     assert [h["step"] for h in json.loads((out / "reader.json").read_text())["history"]] == [3]
+
+
+def test_shipped_reader_base_can_be_rewritten_and_ships_whole():
+    """``pretrain_reader.py --out rag_jax/assets/demo_reader`` is accepted (the folder carries the writer's
+    marker listing exactly its files), and every file, the marker included, is package data (setuptools
+    expands the patterns with ``glob``, whose "*" skips dot files)."""
+    import glob
+    import tomllib
+    from pathlib import Path
+
+    from rag_jax import atomic
+    package = Path(atomic.__file__).parent
+    asset = package / "assets" / "demo_reader"
+    files = {p.name for p in asset.iterdir()}
+    assert atomic.read_marker(asset) == {"kind": "rag_jax.folder", "files": files}
+    atomic.check_target(asset, "rag_jax.folder")  # raises TargetExistsError if the writer would refuse it
+    patterns = tomllib.loads((package.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {Path(f).name for pattern in patterns["rag_jax"] for f in glob.glob(pattern, root_dir=package)
+               if Path(f).parent == Path("assets/demo_reader")}
+    assert shipped == files and atomic.MARKER in shipped

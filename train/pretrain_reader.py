@@ -155,11 +155,12 @@ def heldout_em(model, tok, u: Universe, n: int = 100) -> dict[str, float]:
 
 def export(out: Path, model, tok, info: dict) -> None:
     """HF folder + tokenizer + reader.json, written next to ``out`` and renamed into place."""
-    from rag_jax.atomic import replace_directory
+    from rag_jax.atomic import MARKER, replace_directory
     from rag_jax.data.tokenizer import save_tokenizer
     from rag_jax.model.hf import save_hf
     with replace_directory(out) as tmp:
         save_hf(model, tmp / "model")
+        (tmp / "model" / MARKER).unlink(missing_ok=True)  # the HF export's marker; the folder gets its own
         for f in (tmp / "model").iterdir():
             f.rename(tmp / f.name)
         (tmp / "model").rmdir()

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source, names
+
 TOY = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2)
 
 
@@ -109,30 +111,36 @@ def measure(impl: str, length: int, argv: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax bench attention", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ScriptParser(prog="rag-jax bench attention", description=__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="embedded model name, .gguf file (converted once to an HF folder for both sides) or HF folder")
     p.add_argument("--hf_dir", default=None, help=argparse.SUPPRESS)  # set for the workers
     p.add_argument("--toy", action="store_true", help=f"random 4-layer toy config {TOY} instead of --hf_dir")
-    p.add_argument("--sizes", default="1024,4096", help="prompt lengths in tokens, comma-separated")
-    p.add_argument("--impls", default="dense,blockwise", help="rag_jax attention_impl values, comma-separated")
+    p.add_argument("--sizes", type=int_list(1), default="1024,4096", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--impls", default="dense,blockwise",
+                   help="rag_jax attention_impl values, comma-separated")
     p.add_argument("--no_hf", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--repeats", type=int, default=3, help="timed prefills per row (median reported)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for XLA and torch (0 = library defaults)")
+    p.add_argument("--repeats", type=integer(1), default=3, help="timed prefills per row (median reported)")
+    p.add_argument("--threads", type=integer(0), default=0,
+                   help="CPU threads for XLA and torch (0 = library defaults)")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall: elapsed time; cpu: CPU time of the worker (all threads), which a shared, "
                         "oversubscribed machine does not inflate (use with --threads 1)")
     p.add_argument("--platform", default="cpu", help="JAX platform of the rag_jax rows (JAX_PLATFORMS)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         impl, length = args.worker.split(":")
         print(json.dumps(worker(impl, int(length), args)), flush=True)
         return 0
+    # Checked here, not at parse time: the workers must not import JAX or resolve models before measuring memory.
+    from rag_jax.model.config import ATTENTION_IMPLS
+    args.impls = p.check("--impls", names(ATTENTION_IMPLS), args.impls)
+    if not args.toy:
+        p.check("--model", model_source, args.model)
     if args.toy and not args.no_hf:
-        raise SystemExit("error: the toy config has no HF weights; pass --no_hf with --toy")
+        p.error("argument --toy: the toy config has no HF weights; pass --no_hf with --toy")
     with tempfile.TemporaryDirectory() as tmp:
         forwarded = list(argv if argv is not None else sys.argv[1:])
         if not args.toy:
@@ -145,11 +153,11 @@ def main(argv=None) -> int:
 
 
 def _run(args, forwarded: list[str]) -> list[dict]:
-    impls = ([] if args.no_hf else ["hf"]) + args.impls.split(",")
+    impls = ([] if args.no_hf else ["hf"]) + args.impls
     rows = []
     print(f"{'tokens':>7} {'impl':>10} {'median s':>9} {'tokens/s':>9} {'x hf':>6} {'load MB':>8} {'peak MB':>8} "
           f"{'peak-load MB':>12}", flush=True)
-    for length in (int(s) for s in args.sizes.split(",")):
+    for length in args.sizes:
         base = None
         for impl in impls:
             row = measure(impl, length, forwarded)

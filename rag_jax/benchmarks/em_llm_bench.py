@@ -18,18 +18,19 @@ The model is randomly initialised (``--preset``): throughput does not depend on 
 """
 from __future__ import annotations
 
-import argparse
 import resource
 from pathlib import Path
 
 import numpy as np
 from flax import nnx
 
+from rag_jax.evaluation.args import ScriptParser, input_file, integer
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import median_ms, times_ms
 from rag_jax.memory import EMLLM, EMLLMConfig, EventIndex, modularity_scores
 from rag_jax.metrics import recall_at_k
 from rag_jax.model import ModelConfig, Transformer
+from rag_jax.model.config import PRESETS
 
 EM_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "em_llm_passkey.yaml"
 
@@ -133,20 +134,21 @@ def _recompute_modularity(a: np.ndarray) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax bench em_llm_bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--preset", default="tiny", help="ModelConfig preset (random weights, vocab 256)")
-    p.add_argument("--em-config", type=Path, default=EM_CONFIG)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    p.add_argument("--full-max", type=int, default=4096, help="longest stream run with full attention")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--store-sizes", type=int, nargs="+", default=[1000, 10000, 50000])
-    p.add_argument("--dim", type=int, default=256, help="representative vector size (num_heads * head_dim)")
-    p.add_argument("--k", type=int, default=16)
-    p.add_argument("--queries", type=int, default=50)
-    p.add_argument("--windows", type=int, nargs="+", default=[64, 128, 256])
+    p = ScriptParser(prog="rag-jax bench em_llm_bench", description=__doc__.split("\n\n")[0], epilog=__doc__)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="ModelConfig preset (random weights, vocab 256)")
+    p.add_argument("--em-config", type=input_file, default=str(EM_CONFIG))
+    p.add_argument("--lengths", type=integer(1), nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--full-max", type=integer(1), default=4096, help="longest stream run with full attention")
+    p.add_argument("--repeats", type=integer(1), default=3)
+    p.add_argument("--store-sizes", type=integer(1), nargs="+", default=[1000, 10000, 50000])
+    p.add_argument("--dim", type=integer(1), default=256, help="representative vector size (num_heads * head_dim)")
+    p.add_argument("--k", type=integer(1), default=16)
+    p.add_argument("--queries", type=integer(1), default=50)
+    p.add_argument("--windows", type=integer(1), nargs="+", default=[64, 128, 256])
     p.add_argument("--skip", nargs="*", default=[], choices=["stream", "lookup", "refinement"])
     args = p.parse_args(argv)
+    EMLLMConfig.from_yaml(args.em_config)  # a bad config fails before the first table
     if "stream" not in args.skip:
         stream_table(args)
     if "lookup" not in args.skip:

@@ -21,18 +21,19 @@ Weights are random (latency does not depend on them); text is random words.
 """
 from __future__ import annotations
 
-import argparse
 
 import jax
 import numpy as np
 from flax import nnx
 
 from rag_jax.data.tokenizer import train_bpe
+from rag_jax.evaluation.args import ScriptParser, int_list, integer, names
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.inference.grit_cache import GritCache
 from rag_jax.inference.kv_store import KVStore
 from rag_jax.model import ModelConfig, Transformer
+from rag_jax.model.config import PRESETS, SUPPORTED_DTYPES
 
 MODES = ("rag_doc_first", "doc", "doc_query", "rag_query_first", "query", "query_doc")
 BASELINE = {"doc": "rag_doc_first", "doc_query": "rag_doc_first", "query": "rag_query_first",
@@ -56,23 +57,18 @@ def make_text(tokenizer, rng, words, n_tokens: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax bench grit_caching", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="500,1000,2000,4000", help="long-text lengths in tokens")
+    p = ScriptParser(prog="rag-jax bench grit_caching", description=__doc__)
+    p.add_argument("--sizes", type=int_list(1), default="500,1000,2000,4000", help="long-text lengths in tokens")
     p.add_argument("--sample", choices=("A", "B"), default="A", help="A: long doc, short query; B: the reverse")
-    p.add_argument("--short_len", type=int, default=8, help="tokens of the short text")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
-    p.add_argument("--new_tokens", type=int, default=16, help="generated tokens per answer")
-    p.add_argument("--preset", default="cpu-small", help="model preset (rag_jax.model.config.PRESETS)")
-    p.add_argument("--dtype", default="float32", help="compute/param dtype")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument("--short_len", type=integer(1), default=8, help="tokens of the short text")
+    p.add_argument("--repeats", type=integer(1), default=5, help="timed runs per cell (median)")
+    p.add_argument("--new_tokens", type=integer(1), default=16, help="generated tokens per answer")
+    p.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES, help="compute/param dtype")
+    p.add_argument("--modes", type=names(MODES), default=",".join(MODES),
+                   help="comma-separated subset of " + ",".join(MODES))
     args = p.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",") if s]
-    modes = [m for m in args.modes.split(",") if m]
-    if any(m not in MODES for m in modes):
-        p.error(f"--modes={args.modes!r}; valid entries: {MODES}")
-    if min(sizes) < 1 or args.repeats < 1 or args.new_tokens < 1:
-        p.error("--sizes, --repeats and --new_tokens must be positive")
+    sizes, modes = args.sizes, args.modes
 
     rng = np.random.default_rng(0)
     words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(3, 9))) for _ in range(2000)]

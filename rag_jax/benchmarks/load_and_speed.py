@@ -22,6 +22,7 @@ import torch
 import transformers
 from flax import nnx
 
+from rag_jax.evaluation.args import ScriptParser, integer, model_source
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.inference.chat import stream_tokens
@@ -34,14 +35,23 @@ def median_seconds(fn, iters: int) -> float:
     return median_ms(fn, iters) / 1e3
 
 
+def _gguf_model(text: str) -> Path:
+    """``--model``: an embedded model name or a .gguf file (transformers loads the same file) -> the file."""
+    path = resolve_model(model_source(text))
+    if path.suffix != ".gguf":
+        raise argparse.ArgumentTypeError(f"{text} is not a GGUF model; pass an embedded model name or a .gguf file")
+    return path
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="rag-jax bench load_and_speed", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or .gguf file")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="prefill lengths (tokens)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="decode tokens")
-    parser.add_argument("--iters", type=int, default=3)
+    parser = ScriptParser(prog="rag-jax bench load_and_speed", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=_gguf_model, default="smollm2-135m-instruct",
+                        help="embedded model name or .gguf file")
+    parser.add_argument("--lengths", type=integer(1), nargs="+", default=[1024, 4096], help="prefill lengths (tokens)")
+    parser.add_argument("--new-tokens", type=integer(1), default=64, help="decode tokens")
+    parser.add_argument("--iters", type=integer(1), default=3)
     args = parser.parse_args(argv)
-    path = resolve_model(args.model)
+    path = args.model
     rows = []
 
     def row(what, ours_s, theirs_s, unit="s"):

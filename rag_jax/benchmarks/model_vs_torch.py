@@ -9,7 +9,6 @@ ratio rag-jax / torch, both measured in this run.
 """
 from __future__ import annotations
 
-import argparse
 
 import jax
 import numpy as np
@@ -19,6 +18,7 @@ from flax import nnx
 
 from rag_jax import sharding
 from rag_jax.benchmarks.train_bench import lm_rows, train_step_seconds
+from rag_jax.evaluation.args import ScriptParser, integer, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.model import ModelConfig, Transformer
@@ -71,19 +71,18 @@ def bench_torch(cfg: ModelConfig, tokens: np.ndarray, lr: float, warmup: int, it
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax bench model_vs_torch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv_heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--iters", type=int, default=5, help="timed iterations (median reported)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p = ScriptParser(prog="rag-jax bench model_vs_torch", description=__doc__)
+    p.add_argument("--hidden", type=integer(1), default=256)
+    p.add_argument("--intermediate", type=integer(1), default=768)
+    p.add_argument("--layers", type=integer(1), default=4)
+    p.add_argument("--heads", type=integer(1), default=4)
+    p.add_argument("--kv_heads", type=integer(1), default=2)
+    p.add_argument("--vocab", type=integer(1), default=4096)
+    p.add_argument("--seq", type=integer(1), default=512)
+    p.add_argument("--batch", type=integer(1), default=8)
+    p.add_argument("--iters", type=integer(1), default=5, help="timed iterations (median reported)")
+    p.add_argument("--warmup", type=integer(0), default=2)
+    p.add_argument("--lr", type=real(0, lo_open=True), default=1e-4)
     args = p.parse_args(argv)
 
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,

@@ -1,32 +1,38 @@
-"""Retrieval benchmark: build time, QPS and recall@k vs exact for exact search, raw ScaNN and our wrapper.
+"""Retrieval benchmark: recall@k on held-out queries, build time and query time vs exact search.
 
 Data: clustered unit vectors like real embeddings — ``--clusters`` random unit centres, each point
 ``normalize(centre + cluster_std · g / sqrt(dim))`` with ``g ~ N(0, I)`` (cosine to its centre
-≈ 1/sqrt(1 + cluster_std²)); queries are fresh points drawn the same way. Optionally real MiniLM
-embeddings (``--minilm``: the NQ oracle passages, 2,655 points; needs ../shared/data).
+≈ 1/sqrt(1 + cluster_std²)); the queries are fresh points drawn the same way, never in the index
+(held out: recall is not inflated by self-matches). Optionally real MiniLM embeddings (``--minilm``:
+the NQ oracle passages, 2,655 points; needs ../shared/data).
 
 Rows, all in one run on the same data and queries:
-- ``exact numpy``: BLAS matmul + argpartition (the QPS baseline, speedup 1.0);
+- ``exact numpy``: BLAS matmul + argpartition (the time baseline: speedup 1.0, and the ground truth);
 - ``exact jax``: ``ExactIndex`` (JAX matmul + top_k);
-- ``raw scann (auto params)`` vs ``ScannIndex (auto)``: the parameters our size rules pick, built
-  and searched directly with ``scann_ops_pybind`` vs through our wrapper (equal recall expected);
-- ``raw scann (tuned params)`` vs ``ScannIndex (target_recall)``: the wrapper tunes
-  leaves_to_search/reorder for ``--target-recall``; raw ScaNN is searched with the same values.
-QPS = queries / median search time over ``--repeats`` runs (all queries in one batched call; raw and
-wrapper runs interleaved).
-``wrapper/raw`` compares our wrapper's QPS with raw ScaNN at the same parameters.
+- ``raw scann (example recipe)``: the ScaNN library called directly with the recipe of its
+  ``docs/example.ipynb`` (glove-100-angular, 1.18M points: ``tree(num_leaves=2000,
+  num_leaves_to_search=100, training_sample_size=250000)``, ``score_ah(2,
+  anisotropic_quantization_threshold=0.2)``, ``reorder(100)``), the leaves scaled as ``2·sqrt(n)``
+  (2000 at 1M) and the leaves searched as 1/20 of them for other sizes;
+- ``ScannIndex (auto)``: our wrapper with default settings (size rules + build-time tuning);
+- ``ScannIndex (target_recall=R)``: tuned for ``--target-recall`` (leaves, leaves searched, reorder).
+Build times include the wrapper's tuning. Query time = median over ``--repeats`` runs of one batched
+call over all queries (``search_batched_parallel``), divided by the number of queries.
+``wrapper/raw`` = the same searcher called directly through ScaNN / through ``ScannIndex.search``
+(1.0 = no wrapper overhead; timed interleaved, so load changes on a shared machine hit both alike).
 
-Example: ``rag-jax bench retrieval_bench --sizes 100000 1000000`` (the issue's sizes; the default
-is small so it finishes in about a minute).
+The issue-18 table: ``rag-jax bench retrieval_bench --sizes 1000000`` (about 30 min on 2 busy CPU
+cores; the default size finishes in about a minute).
 """
 from __future__ import annotations
 
-import argparse
+import math
 import os
 
 import numpy as np
 
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, shared_file
+from rag_jax.evaluation.args import ScriptParser, integer, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer, median_ms
 from rag_jax.metrics import recall_at_k
@@ -82,17 +88,16 @@ def exact_numpy(db, queries, k, block: int = 100):
     return np.concatenate(out)
 
 
-def raw_scann(db, k, params, cfg: ScannConfig):
-    """The same ScaNN configuration as ScannIndex.build, called directly (the baseline)."""
+def example_scann(db, k):
+    """-> (searcher, description): ScaNN's example recipe (module docstring), built directly."""
     from scann.scann_ops.py import scann_ops_pybind
-    builder = scann_ops_pybind.builder(db, k, "dot_product")
-    sample = min(cfg.training_sample_size, len(db))
-    if params["mode"] == "tree_ah":
-        builder = builder.tree(params["num_leaves"], params["leaves_to_search"], training_sample_size=sample)
-    if params["mode"] == "brute_force":
-        return builder.score_brute_force().build()
-    return builder.score_ah(cfg.dims_per_block, anisotropic_quantization_threshold=params["anisotropic_threshold"],
-                            training_sample_size=sample).reorder(params["reorder"]).build()
+    n = len(db)
+    num_leaves = max(1, min(round(2 * math.sqrt(n)), n // 50))
+    leaves = max(1, num_leaves // 20)
+    searcher = scann_ops_pybind.builder(db, k, "dot_product").tree(
+        num_leaves=num_leaves, num_leaves_to_search=leaves, training_sample_size=min(n, 250_000)).score_ah(
+        2, anisotropic_quantization_threshold=0.2).reorder(100).build()
+    return searcher, f"tree_ah, leaves {num_leaves}/{leaves}, reorder 100"
 
 
 def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
@@ -100,85 +105,96 @@ def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
     return recall_at_k(found, truth, truth.shape[1])
 
 
-def bench(name: str, db: np.ndarray, queries: np.ndarray, args) -> list[dict]:
-    k, n = args.k, len(db)
-    ids = np.arange(n, dtype=np.int64)
-    rows = []
-    truth, t_np = timed(lambda: exact_numpy(db, queries, k), args.repeats)
-    rows.append({"method": "exact numpy", "build_s": 0.0, "search_s": t_np, "recall": 1.0})
-
+def exact_jax_row(db, ids, queries, truth, args) -> dict:
     timer = StageTimer()
     ex = ExactIndex(db.shape[1])
     ex.add(db, ids)
-    ex.search(queries[:1], k)  # device copy
+    ex.search(queries[:1], args.k)  # device copy
     timer.stage("build")
-    build = timer.wall["build"]
-    ex.search(queries, k)  # compile for this batch size
-    (_, found), t = timed(lambda: ex.search(queries, k), args.repeats)
-    rows.append({"method": "exact jax", "build_s": build, "search_s": t, "recall": recall_at(found, truth)})
+    ex.search(queries, args.k)  # compile for this batch size
+    (_, found), t = timed(lambda: ex.search(queries, args.k), args.repeats)
+    return {"method": "exact jax", "build_s": timer.wall["build"], "search_s": t, "recall": recall_at(found, truth)}
 
-    for label, cfg in (("auto", ScannConfig(num_neighbors=k)),
-                       (f"target_recall={args.target_recall}", ScannConfig(num_neighbors=k,
-                                                                         target_recall=args.target_recall))):
-        timer.stage("idle")
-        ours = ScannIndex(db.shape[1], cfg)
-        ours.add(db, ids)
-        ours.build()
-        timer.stage("build")
-        build = timer.wall["build"]
-        params = ours.params
-        raw = raw_scann(db, k, params, cfg)
-        timer.stage("raw build")
-        raw_build = timer.wall["raw build"]
-        pre = max(params["reorder"], k) if params["reorder"] is not None else None
 
-        def raw_search():
-            return raw.search_batched_parallel(queries, final_num_neighbors=k, pre_reorder_num_neighbors=pre,
-                                               leaves_to_search=params["leaves_to_search"])[0]
-        raw_search()
-        ours.search(queries, k)
-        # Interleaved repeats, so load changes on a shared machine hit both sides alike.
-        raw_times, our_times = [], []
-        for _ in range(args.repeats):
-            raw_found, t = timed(raw_search, 1)
-            raw_times.append(t)
-            (_, found), t = timed(lambda: ours.search(queries, k), 1)
-            our_times.append(t)
-        t_raw, t_ours = float(np.median(raw_times)), float(np.median(our_times))
-        desc = (f"{params['mode']}, leaves {params['num_leaves']}/{params['leaves_to_search']}, "
-                f"reorder {params['reorder']}")
-        rows.append({"method": f"raw scann ({label} params)", "build_s": raw_build, "search_s": t_raw,
-                     "recall": recall_at(raw_found.astype(np.int64), truth), "params": desc})
-        rows.append({"method": f"ScannIndex ({label})", "build_s": build, "search_s": t_ours,
-                     "recall": recall_at(found, truth), "params": desc, "raw_s": t_raw})
+def example_scann_row(db, queries, truth, args) -> dict:
+    timer = StageTimer()
+    raw, desc = example_scann(db, args.k)
+    timer.stage("build")
+    raw.search_batched_parallel(queries)
+    found, t = timed(lambda: raw.search_batched_parallel(queries)[0], args.repeats)
+    return {"method": "raw scann (example recipe)", "build_s": timer.wall["build"], "search_s": t,
+            "recall": recall_at(found.astype(np.int64), truth), "params": desc}
+
+
+def wrapper_row(label: str, cfg: ScannConfig, db, ids, queries, truth, args) -> dict:
+    """``ScannIndex`` row; its own searcher called directly through ScaNN gives ``wrapper/raw``."""
+    k = args.k
+    timer = StageTimer()
+    ours = ScannIndex(db.shape[1], cfg)
+    ours.add(db, ids)
+    ours.build()
+    timer.stage("build")
+    params = ours.params
+    pre = max(params["reorder"], k) if params["reorder"] is not None else None
+
+    def direct():
+        return ours._searcher.search_batched_parallel(queries, final_num_neighbors=k, pre_reorder_num_neighbors=pre,
+                                                      leaves_to_search=params["leaves_to_search"])
+    direct()
+    ours.search(queries, k)
+    direct_times, our_times = [], []
+    for _ in range(args.repeats):  # interleaved, so load changes on a shared machine hit both alike
+        direct_times.append(timed(direct, 1)[1])
+        (_, found), t = timed(lambda: ours.search(queries, k), 1)
+        our_times.append(t)
+    t_ours = float(np.median(our_times))
+    desc = f"{params['mode']}, leaves {params['num_leaves']}/{params['leaves_to_search']}, reorder {params['reorder']}"
+    if ours.tuning is not None:
+        desc += f"; sample recall {ours.tuning['recall']:.4f}"
+    return {"method": f"ScannIndex ({label})", "build_s": timer.wall["build"], "search_s": t_ours,
+            "recall": recall_at(found, truth), "params": desc, "wrapper": float(np.median(direct_times)) / t_ours}
+
+
+def bench(name: str, db: np.ndarray, queries: np.ndarray, args) -> list[dict]:
+    """All rows on one database (module docstring); one index alive at a time (1M x 384 float32 is 1.5 GB)."""
+    ids = np.arange(len(db), dtype=np.int64)
+    truth, t_np = timed(lambda: exact_numpy(db, queries, args.k), args.repeats)
+    rows = [{"method": "exact numpy", "build_s": 0.0, "search_s": t_np, "recall": 1.0},
+            exact_jax_row(db, ids, queries, truth, args), example_scann_row(db, queries, truth, args)]
+    for label, cfg in (("auto", ScannConfig(num_neighbors=args.k)),
+                       (f"target_recall={args.target_recall}",
+                        ScannConfig(num_neighbors=args.k, target_recall=args.target_recall))):
+        rows.append(wrapper_row(label, cfg, db, ids, queries, truth, args))
     for r in rows:
         r["data"] = name
-        r["qps"] = len(queries) / r["search_s"]
+        r["ms"] = 1e3 * r["search_s"] / len(queries)
         r["speedup"] = t_np / r["search_s"]
     return rows
 
 
 def print_table(rows: list[dict], k: int) -> None:
-    print(table(["data", "method", "build s", "QPS", "x exact numpy", f"recall@{k}", "wrapper/raw QPS", "params"],
-                [[r["data"], r["method"], r["build_s"], r["qps"], r["speedup"], r["recall"],
-                  r["raw_s"] / r["search_s"] if "raw_s" in r else "", r.get("params", "")] for r in rows],
-                floatfmt=("", "", ".2f", ".0f", ".1f", ".4f", ".3f")))
+    print(table(["data", "method", f"recall@{k}", "build s", "query ms", "x exact numpy", "wrapper/raw", "params"],
+                [[r["data"], r["method"], r["recall"], r["build_s"], r["ms"], r["speedup"], r.get("wrapper", ""),
+                  r.get("params", "")] for r in rows],
+                floatfmt=("", "", ".4f", ".1f", ".4f", ".1f", ".3f")))
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax bench retrieval_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[20_000], help="database sizes (vectors)")
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--clusters", type=int, default=None, help="Gaussian clusters (default n/500, e.g. 2000 at 1M)")
-    p.add_argument("--cluster-std", type=float, default=1.0, help="noise norm relative to the unit centre")
-    p.add_argument("--queries", type=int, default=1000)
-    p.add_argument("--k", type=int, default=10)
-    p.add_argument("--target-recall", type=float, default=0.99)
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per method (median)")
+    p = ScriptParser(prog="rag-jax bench retrieval_bench", description=__doc__)
+    p.add_argument("--sizes", type=integer(1), nargs="+", default=[20_000], help="database sizes (vectors)")
+    p.add_argument("--dim", type=integer(1), default=384)
+    p.add_argument("--clusters", type=integer(1), default=None,
+                   help="Gaussian clusters (default n/500, e.g. 2000 at 1M)")
+    p.add_argument("--cluster-std", type=real(0), default=1.0, help="noise norm relative to the unit centre")
+    p.add_argument("--queries", type=integer(1), default=1000)
+    p.add_argument("--k", type=integer(1), default=10)
+    p.add_argument("--target-recall", type=real(0, 1, lo_open=True), default=0.99)
+    p.add_argument("--repeats", type=integer(1), default=5, help="timed repeats per method (median)")
     p.add_argument("--minilm", action="store_true", help="also run on real MiniLM embeddings of the NQ passages")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     args = p.parse_args(argv)
+    if args.k > min(args.sizes):
+        p.error(f"argument --k: {args.k} exceeds the smallest --sizes value {min(args.sizes)}")
     print(f"# retrieval bench: dim={args.dim} queries={args.queries} k={args.k} cpus={os.cpu_count()}", flush=True)
     rows = []
     for n in args.sizes:

@@ -12,16 +12,18 @@ same dtype measured in this run. Rows are medians; the ratio column is against r
 """
 from __future__ import annotations
 
-import argparse
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rag_jax import sharding
+from rag_jax.evaluation.args import ScriptParser, integer, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.model import ModelConfig
+from rag_jax.model.config import PRESETS
+from rag_jax.model.transformer import REMAT_POLICIES
 from rag_jax.train import metrics as metrics_lib
 from rag_jax.train import optim, step as step_lib
 from rag_jax.train.objectives import LMLoss
@@ -63,16 +65,15 @@ def bench(cfg: ModelConfig, seq: int, batch: int, remat: str, steps: int, warmup
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax bench train_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="cpu-small", help="model preset (tiny, cpu-small, llama3.2-1b, llama3-8b)")
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8, help="global batch (rows)")
+    p = ScriptParser(prog="rag-jax bench train_bench", description=__doc__)
+    p.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--seq", type=integer(1), default=512)
+    p.add_argument("--batch", type=integer(1), default=8, help="global batch (rows)")
     p.add_argument("--precision", default="fp32", choices=step_lib.PRECISIONS)
-    p.add_argument("--remat", nargs="+", default=["none", "full"], help="policies to compare (none, dots, full)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
-    p.add_argument("--peak_flops", type=float, default=None, help="peak FLOP/s per device for MFU")
+    p.add_argument("--remat", nargs="+", default=["none", "full"], choices=REMAT_POLICIES, help="policies to compare")
+    p.add_argument("--steps", type=integer(1), default=5, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=integer(0), default=2, help="untimed steps (the first compiles)")
+    p.add_argument("--peak_flops", type=real(0, lo_open=True), default=None, help="peak FLOP/s per device for MFU")
     args = p.parse_args(argv)
 
     cfg = step_lib.apply_precision(ModelConfig.preset(args.preset, max_seq_len=max(args.seq, 2048)), args.precision)

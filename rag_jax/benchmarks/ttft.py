@@ -29,7 +29,6 @@ interleaving a full prefill, which touches gigabytes, between block prefills slo
 """
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -40,11 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.kv_store import KVStore
 from rag_jax.model import ModelConfig, Transformer
+from rag_jax.model.config import PRESETS
 from rag_jax.train.metrics import matmul_params
 
 
@@ -96,33 +97,34 @@ def hf_functions(hf, blocks: list[list[int]]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax bench ttft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="1024,2048", help="total prompt lengths in tokens, comma-separated")
-    p.add_argument("--last_len", type=int, default=50, help="tokens in the last block (instruction + question)")
-    p.add_argument("--block_len", type=int, default=256, help="tokens per cached passage block")
-    p.add_argument("--preset", default=None, help="model preset (e.g. llama3.2-1b); default: the dims below")
-    p.add_argument("--model", default=None,
+    p = ScriptParser(prog="rag-jax bench ttft", description=__doc__)
+    p.add_argument("--sizes", type=int_list(2), default="1024,2048",
+                   help="total prompt lengths in tokens, comma-separated")
+    p.add_argument("--last_len", type=integer(1), default=50, help="tokens in the last block (instruction + question)")
+    p.add_argument("--block_len", type=integer(1), default=256, help="tokens per cached passage block")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="model preset (e.g. llama3.2-1b); default: the dims below")
+    p.add_argument("--model", type=model_source, default=None,
                    help="pretrained weights instead of a random model: an embedded name (smollm2-135m-instruct), "
                         "a .gguf file or an HF folder (rag_jax.model.load.load_model); token ids stay random")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv_heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--hidden", type=integer(1), default=256)
+    p.add_argument("--layers", type=integer(1), default=4)
+    p.add_argument("--heads", type=integer(1), default=4)
+    p.add_argument("--kv_heads", type=integer(1), default=2)
+    p.add_argument("--intermediate", type=integer(1), default=768)
+    p.add_argument("--vocab", type=integer(1), default=4096)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
+    p.add_argument("--repeats", type=integer(1), default=5, help="timed runs per measurement (median reported)")
     p.add_argument("--no_hf", action="store_true", help="skip the HF transformers baseline")
-    p.add_argument("--pad_multiple", type=int, default=1,
+    p.add_argument("--pad_multiple", type=integer(1), default=1,
                    help="BlockAttention shape padding (tokens); 1 = exact lengths (the sizes here are fixed)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=integer(0), default=0,
                    help="CPU threads for both XLA and torch (0 = library defaults); 1 gives stable numbers on a "
                         "busy machine, where OpenMP/Eigen thread pools slow down badly when oversubscribed")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall: elapsed time (TTFT proper); cpu: CPU time of this process (all threads), which "
                         "a shared, oversubscribed machine does not inflate (use with --threads 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     args = p.parse_args(argv)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
@@ -130,16 +132,16 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
                                    f"{'false' if args.threads == 1 else 'true'} "
                                    f"intra_op_parallelism_threads={args.threads}").strip()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     if min(sizes) <= args.last_len:
-        p.error(f"every size must exceed --last_len={args.last_len}; got {sizes}")
+        p.error(f"argument --sizes: every size must exceed --last_len={args.last_len}; got {sizes}")
     dims = dict(dtype=args.dtype, param_dtype=args.dtype, max_seq_len=max(sizes))
     if args.model:
         from rag_jax.model.load import load_model
         model = load_model(args.model, dtype=args.dtype).model
         cfg = model.config
         if max(sizes) > cfg.max_seq_len:
-            p.error(f"--sizes up to {max(sizes)} exceed {args.model}'s max_seq_len={cfg.max_seq_len}")
+            p.error(f"argument --sizes: up to {max(sizes)} exceeds {args.model}'s max_seq_len={cfg.max_seq_len}")
     else:
         if args.preset:
             cfg = ModelConfig.preset(args.preset, **dims)

@@ -16,15 +16,14 @@ first two rows) in the Lost in the Middle setting (Liu et al., TACL 2024):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
+from rag_jax.evaluation.args import ScriptParser, input_file, int_list, integer, model_source, output_file, real
 from rag_jax.evaluation.tables import table
 
 
@@ -58,25 +57,24 @@ def place(negatives: Sequence[int], gold: int, position: int) -> list[int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax eval block_nq", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded name, .gguf file or HF folder")
-    p.add_argument("--data", type=Path, default=shared_file(*NQ_ORACLE))
-    p.add_argument("--limit", type=int, default=50, help="held-out questions evaluated (the first ones)")
-    p.add_argument("--heldout", type=float, default=0.2, help="fraction of the questions held out")
-    p.add_argument("--seed", type=int, default=0, help="split seed")
-    p.add_argument("--num-passages", type=int, default=10)
-    p.add_argument("--positions", default="0,4,9", help="gold positions (0-based), comma-separated")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--cache", type=Path, default=None, help="npz to reuse/store the MiniLM pool embeddings")
-    p.add_argument("--out", type=Path, default=None, help="JSON output")
+    p = ScriptParser(prog="rag-jax eval block_nq", description=__doc__)
+    p.add_argument("--model", type=model_source, default="smollm2-135m-instruct",
+                   help="embedded name, .gguf file or HF folder")
+    p.add_argument("--data", type=input_file, default=str(shared_file(*NQ_ORACLE)))
+    p.add_argument("--limit", type=integer(1), default=50, help="held-out questions evaluated (the first ones)")
+    p.add_argument("--heldout", type=real(0, 1, lo_open=True, hi_open=True), default=0.2,
+                   help="fraction of the questions held out")
+    p.add_argument("--seed", type=integer(0), default=0, help="split seed")
+    p.add_argument("--num-passages", type=integer(1), default=10)
+    p.add_argument("--positions", type=int_list(0), default="0,4,9", help="gold positions (0-based), comma-separated")
+    p.add_argument("--max-new-tokens", type=integer(1), default=24)
+    p.add_argument("--batch-size", type=integer(1), default=16)
+    p.add_argument("--cache", type=output_file, default=None, help="npz to reuse/store the MiniLM pool embeddings")
+    p.add_argument("--out", type=output_file, default=None, help="JSON output")
     args = p.parse_args(argv)
-    positions = [int(x) for x in args.positions.split(",")]
-    if not args.data.is_file():
-        p.error(f"--data {args.data}: NQ oracle file not found")
-    if args.num_passages < 1 or any(not 0 <= x < args.num_passages for x in positions):
-        p.error(f"--positions {positions} must lie in [0, --num-passages={args.num_passages})")
+    positions = args.positions
+    if any(x >= args.num_passages for x in positions):
+        p.error(f"argument --positions: {positions} must lie in [0, --num-passages={args.num_passages})")
 
     from rag_jax.demo.real_model import ChatBlocks
     from rag_jax.evaluation.rag import generate_answers, score_answer

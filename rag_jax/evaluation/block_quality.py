@@ -29,7 +29,6 @@ with ``key=value`` overrides (``rag_jax.config``):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -42,6 +41,7 @@ from rag_jax import sharding
 from rag_jax.data import block_rag
 from rag_jax.data.phantom import generate_universe
 from rag_jax.data.tokenizer import train_bpe
+from rag_jax.evaluation.args import ScriptParser, input_dir, input_file, output_file
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
 from rag_jax.inference.block_attention import BlockAttention
@@ -288,12 +288,12 @@ def evaluate(graphdef, params, examples, tokenizer, marker_ids, recipe: BlockRec
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax eval block_quality", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML (train/configs/block_*.yaml)")
-    p.add_argument("--model", default=None,
+    p = ScriptParser(prog="rag-jax eval block_quality", description=__doc__)
+    p.add_argument("--config", type=input_file, default=str(DEFAULT_CONFIG),
+                   help="recipe YAML (train/configs/block_*.yaml)")
+    p.add_argument("--model", type=input_dir, default=None,
                    help="start from this run folder or HF folder (with tokenizer.json); = init.hf_dir=PATH")
-    p.add_argument("--out", default=None, help="write the result table as JSON here")
+    p.add_argument("--out", type=output_file, default=None, help="write the result table as JSON here")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50 eval.questions=32")
     args = p.parse_args(argv)
     overrides = args.overrides + ([f"init.hf_dir={args.model}"] if args.model else [])

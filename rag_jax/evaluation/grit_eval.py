@@ -22,7 +22,6 @@ reference, and teacher-forced generation loss / next-token accuracy on held-out 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -35,6 +34,7 @@ from rag_jax import sharding
 from rag_jax.data.grit import GritDataConfig, grit_batches, tokenize_generative_record
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, shared_file
 from rag_jax.data.tokenizer import train_bpe
+from rag_jax.evaluation.args import ScriptParser, input_file, names, output_file
 from rag_jax.evaluation.tables import table
 from rag_jax.metrics import recall_at_k
 from rag_jax.model import ModelConfig
@@ -209,18 +209,16 @@ def generation_metrics(cfg: GritRunConfig, graphdef, params, tokenizer, records)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="rag-jax eval grit_eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML preset")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    parser = ScriptParser(prog="rag-jax eval grit_eval", description=__doc__)
+    parser.add_argument("--config", type=input_file, default=str(DEFAULT_CONFIG), help="YAML preset")
+    parser.add_argument("--modes", type=names(MODES), default=",".join(MODES),
+                        help="comma-separated subset of " + ",".join(MODES))
     parser.add_argument("--no_minilm", action="store_true", help="skip the pretrained MiniLM reference")
-    parser.add_argument("--json", default=None, help="write the results table here as JSON")
+    parser.add_argument("--json", type=output_file, default=None, help="write the results table here as JSON")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=200 data.group_size=1")
     args = parser.parse_args(argv)
     cfg = config_lib.load_config(GritRunConfig, args.config, args.overrides)
-    modes = [m for m in args.modes.split(",") if m]
-    if any(m not in MODES for m in modes):
-        raise ValueError(f"--modes={args.modes!r}; valid entries: {MODES}")
+    modes = args.modes
 
     rows = load_nq()
     emb, gen, test, test_gen, corpus, gold = build_data(cfg, rows)

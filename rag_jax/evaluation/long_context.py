@@ -36,7 +36,6 @@ choosing a word (" the", " a") over the space that starts a number. Example::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from rag_jax.evaluation.passkey import EM_VARIANTS, FILLER, METHODS as PASSKEY_METHODS, method_config
+from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, output_file
 from rag_jax.evaluation.tables import table
 from rag_jax.memory import EMLLM, EMLLMConfig
 
@@ -199,26 +199,26 @@ def summary_table(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax eval long_context", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded name, .gguf, HF or run folder")
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
-    p.add_argument("--samples", type=int, default=2, help="prompts per length (depths evenly spread)")
+    p = ScriptParser(prog="rag-jax eval long_context", description=__doc__.split("\n\n")[0], epilog=__doc__)
+    p.add_argument("--model", type=model_source, default="smollm2-135m-instruct",
+                   help="embedded name, .gguf, HF or run folder")
+    p.add_argument("--lengths", type=integer(1), nargs="+", default=[2048, 4096])
+    p.add_argument("--samples", type=integer(1), default=2, help="prompts per length (depths evenly spread)")
     p.add_argument("--methods", nargs="+", default=["em_llm", "inf_llm", "sliding", "full"], choices=METHODS)
     p.add_argument("--filler", default="repeat", choices=FILLERS)
-    p.add_argument("--em-config", type=Path, default=EM_CONFIG)
+    p.add_argument("--em-config", type=input_file, default=str(EM_CONFIG))
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --em-config")
-    p.add_argument("--infllm-block", type=int, default=64, help="InfLLM fixed block size in tokens")
+    p.add_argument("--infllm-block", type=integer(1), default=64, help="InfLLM fixed block size in tokens")
     p.add_argument("--diagnose", action="store_true", help="per-layer key retrieval and attention mass")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--out", type=output_file, default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
+    base = EMLLMConfig.from_yaml(args.em_config, args.set)  # bad overrides fail before the model loads
     from rag_jax.model.load import load_model
 
     loaded = load_model(args.model)
     if loaded.tokenizer is None:
-        p.error(f"--model {args.model} has no tokenizer")
-    base = EMLLMConfig.from_yaml(args.em_config, args.set)
+        p.error(f"argument --model: {args.model} has no tokenizer")
     report = run(loaded, args.methods, args.lengths, args.samples, args.filler, base, args.infllm_block, args.seed,
                  with_diagnostics=args.diagnose)
     report["model"] = str(args.model)

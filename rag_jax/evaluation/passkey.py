@@ -31,7 +31,6 @@ gold value appears in the output).
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import jax
@@ -40,6 +39,7 @@ from flax import nnx
 
 from rag_jax import sharding
 from rag_jax.data.loaders import shared_file
+from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, output_file, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
 from rag_jax.memory import EMLLM, EMLLMConfig
@@ -201,32 +201,35 @@ def run_prompt(model, cfg: EMLLMConfig, cache: dict, prompt: np.ndarray, max_new
     return decode(out), timer.wall["generate"]
 
 
+def _model_or_new_run(text: str) -> Path:
+    """``--model``: an existing model (checked now), or a path where a newly trained run folder can go."""
+    return Path(model_source(text)) if Path(text).exists() else output_file(text)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax eval passkey", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--model", "--checkpoint", dest="model", type=Path, default=Path("runs/passkey_model"),
+    p = ScriptParser(prog="rag-jax eval passkey", description=__doc__.split("\n\n")[0], epilog=__doc__)
+    p.add_argument("--model", "--checkpoint", dest="model", type=_model_or_new_run, default="runs/passkey_model",
                    help="run folder or HF folder: loaded if it exists, else a model is trained and its run folder "
                         "written there")
-    p.add_argument("--train-steps", type=int, default=2500)
-    p.add_argument("--train-len", type=int, default=256, help="training context in tokens (<= 1024)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--layers", type=int, default=3, help="layers of a newly trained model")
-    p.add_argument("--hidden", type=int, default=128, help="hidden size of a newly trained model (4 heads)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--init-from", type=Path, default=None,
+    p.add_argument("--train-steps", type=integer(1), default=2500)
+    p.add_argument("--train-len", type=integer(MIN_PASSKEY_LEN + 64, 1024), default=256,
+                   help="training context in tokens (<= 1024: short-context training)")
+    p.add_argument("--batch", type=integer(1), default=16)
+    p.add_argument("--layers", type=integer(1), default=3, help="layers of a newly trained model")
+    p.add_argument("--hidden", type=integer(4), default=128, help="hidden size of a newly trained model (4 heads)")
+    p.add_argument("--lr", type=real(0, lo_open=True), default=2e-3)
+    p.add_argument("--init-from", type=model_source, default=None,
                    help="start training from this model (run or HF folder; fine-tune further), not random weights")
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
-    p.add_argument("--samples", type=int, default=4, help="passkey prompts per length (depths evenly spread)")
+    p.add_argument("--lengths", type=integer(1), nargs="+", default=[4096, 16384])
+    p.add_argument("--samples", type=integer(1), default=4, help="passkey prompts per length (depths evenly spread)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--em-config", type=Path, default=EM_CONFIG)
-    p.add_argument("--infllm-block", type=int, default=128, help="InfLLM fixed block size in tokens")
-    p.add_argument("--full-max", type=int, default=16384, help="longest input run with full attention")
-    p.add_argument("--kv-samples", type=int, default=0, help="examples of the real KV-retrieval file to score")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--em-config", type=input_file, default=str(EM_CONFIG))
+    p.add_argument("--infllm-block", type=integer(1), default=128, help="InfLLM fixed block size in tokens")
+    p.add_argument("--full-max", type=integer(1), default=16384, help="longest input run with full attention")
+    p.add_argument("--kv-samples", type=integer(0), default=0, help="examples of the real KV-retrieval file to score")
+    p.add_argument("--seed", type=integer(0), default=0)
     args = p.parse_args(argv)
-    if not MIN_PASSKEY_LEN + 64 <= args.train_len <= 1024:
-        p.error(f"--train-len={args.train_len} must be in [{MIN_PASSKEY_LEN + 64}, 1024] tokens "
-                "(short-context training)")
+    base = EMLLMConfig.from_yaml(args.em_config)  # a bad config fails before training
 
     if args.model.exists():
         model = load_model(args.model)
@@ -241,7 +244,6 @@ def main(argv=None) -> int:
         model = train_model(cfg, args.train_steps, args.batch, args.train_len, args.lr, args.seed, init,
                             run_dir=args.model)
         print(f"saved {args.model}")
-    base = EMLLMConfig.from_yaml(args.em_config)
     rng = np.random.default_rng(args.seed + 1)
     cache: dict = {}
     results: dict[tuple[str, int], list[bool]] = {}

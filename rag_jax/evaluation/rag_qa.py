@@ -24,12 +24,12 @@ pipeline and the metrics on real data (a model trained with ``--config`` at scal
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from rag_jax.data import phantom_rag
 from rag_jax.evaluation.rag import generate_answers, mean_scores, score_answer
+from rag_jax.evaluation.args import ScriptParser, input_dir, input_path, integer, output_file
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
 
@@ -145,28 +145,24 @@ def print_table(report: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax eval rag_qa", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", "--checkpoint", dest="model", required=True, type=Path,
+    p = ScriptParser(prog="rag-jax eval rag_qa", description=__doc__)
+    p.add_argument("--model", "--checkpoint", dest="model", required=True, type=input_dir,
                    help="a run folder (rag-jax demo / rag-jax train output) or an HF folder with tokenizer.json")
-    p.add_argument("--data", required=True, type=Path,
+    p.add_argument("--data", required=True, type=input_path,
                    help="PhantomWiki folder, or an NQ-open oracle .jsonl(.gz) file")
-    p.add_argument("--limit", type=int, default=200, help="at most this many questions (0 = all)")
+    p.add_argument("--limit", type=integer(0), default=200, help="at most this many questions (0 = all)")
     p.add_argument("--split", choices=("heldout", "all"), default="heldout",
                    help="PhantomWiki: the demo's held-out questions, or all selected ones")
     p.add_argument("--questions", choices=phantom_rag.QUESTION_KINDS, default=None,
                    help="PhantomWiki question selection (default: the run's task.questions)")
-    p.add_argument("--max-hops", type=int, default=None, help="PhantomWiki: at most this many hops")
+    p.add_argument("--max-hops", type=integer(1), default=None, help="PhantomWiki: at most this many hops")
     p.add_argument("--retriever", choices=("grit", "minilm"), default=None,
                    help="PhantomWiki retriever (default: the run's retrieval.retriever)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--out", type=Path, default=None, help="JSON output (default: runs/eval/rag_qa_<data>.json)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=32)
+    p.add_argument("--batch-size", type=integer(1), default=64)
+    p.add_argument("--out", type=output_file, default=None,
+                   help="JSON output (default: runs/eval/rag_qa_<data>.json)")
     args = p.parse_args(argv)
-    if args.limit < 0 or args.max_new_tokens < 1 or args.batch_size < 1:
-        p.error("--limit must be >= 0, --max-new-tokens and --batch-size >= 1")
-    if not args.data.exists():
-        p.error(f"--data {args.data} does not exist")
     from rag_jax.evaluation.models import load_rag_model
     try:
         loaded, settings = load_rag_model(args.model)

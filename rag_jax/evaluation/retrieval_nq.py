@@ -15,12 +15,11 @@ use. ``agree@20`` is the overlap of each method's top 20 with exact search.
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import numpy as np
 
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
+from rag_jax.evaluation.args import ScriptParser, input_file, integer, output_file, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
 from rag_jax.metrics import hit_at_k, recall_at_k
@@ -29,17 +28,16 @@ KS = (1, 5, 20)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax eval retrieval_nq", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=shared_file(*NQ_ORACLE))
-    p.add_argument("--limit", type=int, default=None, help="first N questions (and their passages) only")
-    p.add_argument("--max-length", type=int, default=256, help="MiniLM tokens per text (sentence-transformers: 256)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--cache", type=Path, default=None, help="npz file to reuse/store the embeddings")
-    p.add_argument("--target-recall", type=float, default=0.99, help="for the tuned tree row")
+    p = ScriptParser(prog="rag-jax eval retrieval_nq", description=__doc__)
+    p.add_argument("--data", type=input_file, default=str(shared_file(*NQ_ORACLE)),
+                   help="NQ-open oracle file (it lives in ../shared/data; see its README)")
+    p.add_argument("--limit", type=integer(1), default=None, help="first N questions (and their passages) only")
+    p.add_argument("--max-length", type=integer(1), default=256,
+                   help="MiniLM tokens per text (sentence-transformers: 256)")
+    p.add_argument("--batch-size", type=integer(1), default=64)
+    p.add_argument("--cache", type=output_file, default=None, help="npz file to reuse/store the embeddings")
+    p.add_argument("--target-recall", type=real(0, 1, lo_open=True), default=0.99, help="for the tuned tree row")
     args = p.parse_args(argv)
-    if not args.data.is_file():
-        p.error(f"NQ oracle file {args.data} not found (it lives in ../shared/data; see its README)")
     from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
     from rag_jax.retrieval.exact import ExactIndex
     from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex

@@ -15,39 +15,33 @@ recall@k = mean fraction of gold passages in the top k; hit@k = any gold passage
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 
 from rag_jax.data import phantom_rag
+from rag_jax.evaluation.args import ScriptParser, input_dir, int_list, integer, output_file
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
 
 
 def main(argv=None) -> int:
     timer = StageTimer()
-    p = argparse.ArgumentParser(prog="rag-jax eval retrieval_recall", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, type=Path, help="PhantomWiki folder (articles.json + questions.json)")
-    p.add_argument("--model", "--checkpoint", dest="model", type=Path, default=None,
+    p = ScriptParser(prog="rag-jax eval retrieval_recall", description=__doc__)
+    p.add_argument("--data", required=True, type=input_dir, help="PhantomWiki folder (articles.json + questions.json)")
+    p.add_argument("--model", "--checkpoint", dest="model", type=input_dir, default=None,
                    help="run folder (rag-jax demo output) or HF folder with tokenizer.json; adds the GRIT rows")
     p.add_argument("--no-minilm", action="store_true", help="skip the pretrained MiniLM rows")
-    p.add_argument("--ks", default="1,2,5,10", help="cut-offs, comma-separated")
+    p.add_argument("--ks", type=int_list(1), default="1,2,5,10", help="cut-offs, comma-separated")
     p.add_argument("--questions", choices=phantom_rag.QUESTION_KINDS[1:], default="all",
                    help="question selection (demo task kinds; default: every question with gold titles)")
-    p.add_argument("--max-hops", type=int, default=100, help="keep questions with at most this many hops")
+    p.add_argument("--max-hops", type=integer(1), default=100, help="keep questions with at most this many hops")
     p.add_argument("--exact", action="store_true", help="also search with the exact index (agreement check)")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=output_file, default=None,
                    help="JSON output (default: runs/eval/retrieval_recall_<data>.json)")
     args = p.parse_args(argv)
-    try:
-        ks = tuple(int(k) for k in args.ks.split(","))
-    except ValueError:
-        p.error(f"--ks {args.ks!r} must be comma-separated integers")
-    if min(ks) < 1:
-        p.error("--ks values must be >= 1")
+    ks = tuple(args.ks)
     if args.no_minilm and args.model is None:
         p.error("nothing to evaluate: --no-minilm without --model")
     from rag_jax.data.loaders import load_phantomwiki
