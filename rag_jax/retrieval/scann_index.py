@@ -333,11 +333,7 @@ class ScannIndex(VectorIndex):
             queries, self_ids = check_vectors(queries, self.dim, name="queries"), None
             k = min(k, n)
         fetch = k + (self_ids is not None)
-        exact = ExactIndex(self.dim)
-        exact.store = self.store
-        # 100 queries at a time: all 1000 at once against 1M vectors would hold a 4 GB score matrix.
-        truth = np.concatenate([exact.search(queries[i:i + 100], fetch)[1] for i in range(0, len(queries), 100)])
-        truth = _drop_self(truth, self_ids, k)
+        truth = _drop_self(self._exact_ids(queries, fetch), self_ids, k)
         trees = [self.params["num_leaves"]]
         if tune_leaves and self.params["mode"] == "tree_ah" and 2 * trees[0] <= n // self.config.min_points_per_leaf:
             trees.append(2 * trees[0])
@@ -363,6 +359,13 @@ class ScannIndex(VectorIndex):
                  best["leaves_to_search"], best["reorder"], best["recall"], best["recall_lower"],
                  "" if reached else ", target missed")
         return self.tuning
+
+    def _exact_ids(self, queries: np.ndarray, k: int) -> np.ndarray:
+        """Exact top-k ids ``[q, k]`` (``ExactIndex``), 100 queries at a time: 1000 at once against 1M vectors
+        would hold a 4 GB score matrix. Its device copy of the vectors is freed on return, before any rebuild."""
+        exact = ExactIndex(self.dim)
+        exact.store = self.store
+        return np.concatenate([exact.search(queries[i:i + 100], k)[1] for i in range(0, len(queries), 100)])
 
     def _tune_queries(self, queries, self_ids, truth, k, fetch, target_recall, repeats):
         """(fastest candidate, all candidates, reached) for the current searcher: see ``tune``."""
