@@ -190,3 +190,33 @@ def test_block_mask_matches_paper_definition(seed):
     mask = build_mask("block", jnp.asarray(arrays["segment_ids"])[None], jnp.asarray(arrays["segment_ids"])[None],
                       q_is_global=jnp.asarray(arrays["is_global"])[None])
     np.testing.assert_array_equal(np.asarray(mask[0]), _paper_block_mask(local, last + response, pad))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_batch_has_each_example_once_per_mode(seed):
+    """``mixed_batch``: B full rows then the same B examples as block rows; the full rows' block-mode mask is
+    plain causal attention over the real tokens, the block rows' mask is the paper's (NumPy references)."""
+    rng = np.random.default_rng([seed, 17])
+    shapes = [(rng.integers(1, 7, int(rng.integers(0, 5))).tolist(), int(rng.integers(1, 5)), int(rng.integers(1, 4)))
+              for _ in range(int(rng.integers(1, 5)))]
+    examples = [BlockExample(tuple(tuple(rng.integers(1, 100, n).tolist()) for n in local + [last]),
+                             tuple(rng.integers(1, 100, resp).tolist())) for local, last, resp in shapes]
+    seq = max(ex.num_tokens for ex in examples) + int(rng.integers(0, 3))
+    batch, b = block_rag.mixed_batch(examples, seq), len(examples)
+    assert {k: v.shape for k, v in batch.items()} == {k: (2 * b, seq) for k in batch}
+    ref = collate(examples, seq)
+    for k in ref:
+        np.testing.assert_array_equal(batch[k][b:], ref[k])
+        if k != "is_global":
+            np.testing.assert_array_equal(batch[k][:b], ref[k])
+    np.testing.assert_array_equal(batch["is_global"][:b], ref["segment_ids"] > 0)
+    mask = np.asarray(build_mask("block", jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["segment_ids"]),
+                                 q_is_global=jnp.asarray(batch["is_global"])))
+    for i, (ex, (local, last, resp)) in enumerate(zip(examples, shapes)):
+        n = ex.num_tokens
+        causal = np.zeros((seq, seq), bool)
+        causal[:n, :n] = np.tril(np.ones((n, n), bool))
+        np.testing.assert_array_equal(mask[i], causal)
+        np.testing.assert_array_equal(mask[b + i], _paper_block_mask(local, last + resp, seq - n))
+    with pytest.raises(ValueError, match="at least one example"):
+        block_rag.mixed_batch([], seq)

@@ -121,3 +121,27 @@ def test_training_steps_reduce_both_losses(model):
         first = first or {k: float(v) for k, v in m.items()}
     assert float(m["loss_block"]) < 0.7 * first["loss_block"]
     assert float(m["loss_full"]) < 0.7 * first["loss_full"]
+
+
+@pytest.mark.parametrize("window", [None, 6, SEQ])
+def test_mixed_loss_matches_independent_float64_references(model, window):
+    """``MixedBlockLoss`` on ``mixed_batch`` = the token mean of the cached per-block path's and the plain causal
+    path's response NLLs (one forward; logits only over the last ``window`` tokens: max response 5 + 1)."""
+    from rag_jax.data.block_rag import mixed_batch
+    from rag_jax.train.objectives.block import MixedBlockLoss
+    examples = _examples(5)
+    graphdef, state = nnx.split(model)
+    ba = BlockAttention(model, store=KVStore(1 << 24))
+    block_nll = np.concatenate([_block_path_nll(ba, ex) for ex in examples])
+    full_nll = np.concatenate([_full_path_nll(ba, ex) for ex in examples])
+    batch = {k: jnp.asarray(v) for k, v in mixed_batch(examples, SEQ).items()}
+    loss, m = _loss(graphdef, state, batch, MixedBlockLoss(response_window=window))
+    np.testing.assert_allclose(float(m["loss_block"]), block_nll.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["loss_full"]), full_nll.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(loss), np.concatenate([block_nll, full_nll]).mean(), rtol=1e-5)
+    assert float(m["num_tokens"]) == 2 * block_nll.size == 16
+    assert abs(float(m["loss_block"]) - float(m["loss_full"])) > 1e-4
+    ref, _ = _loss(graphdef, state, {k: jnp.asarray(v) for k, v in collate(examples, SEQ).items()}, BlockLoss())
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
+    with pytest.raises(ValueError, match="response_window=1"):
+        MixedBlockLoss(response_window=1)

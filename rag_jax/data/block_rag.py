@@ -136,6 +136,24 @@ def collate(examples: Sequence[BlockExample], seq_len: int) -> dict[str, np.ndar
     return {key: np.stack([r[key] for r in rows]) for key in rows[0]}
 
 
+def mixed_batch(examples: Sequence[BlockExample], seq_len: int) -> dict[str, np.ndarray]:
+    """The 1:1 full / block batch of ``examples``: ``2 * len(examples)`` rows ``[2B, seq_len]``, rows ``0..B-1``
+    in full attention and rows ``B..2B-1`` in block attention (``collate``), each example once in each mode.
+
+    Block-Attention's v5 recipe trains every sample in both modes (``train_full_attention=true``; research note
+    ``block_attention.md`` §1.4). A full row is a block row whose every token is global (``is_global =
+    segment_ids > 0``): the core's ``block`` mask ``(k <= q) & (seg_q == seg_k | is_global_q)`` is then plain
+    causal attention, so one ``mode="block"`` forward runs both kinds of rows
+    (``rag_jax.train.objectives.block.MixedBlockLoss``).
+
+    Raises:
+      ValueError: no examples, or an example longer than ``seq_len``.
+    """
+    block = collate(examples, seq_len)
+    full = {**block, "is_global": block["segment_ids"] > 0}
+    return {k: np.concatenate([full[k], block[k]]) for k in block}
+
+
 def build_rag_example(tokenizer: Any, question: str, passages: Sequence[dict[str, str]], response: str = "", *,
                       passages_per_block: int = 1, system: str = RAG_SYSTEM, passage_format: str = RAG_PASSAGE,
                       last_format: str = RAG_LAST, response_suffix: str = END_OF_TEXT,

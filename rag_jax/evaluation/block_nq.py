@@ -1,30 +1,43 @@
-"""Block-Attention on a pretrained chat model without fine-tuning, NQ-open: full vs block inference by gold position.
+"""Block-Attention on a pretrained chat model, NQ-open: full vs block inference by gold position, before and after
+Block-Attention fine-tuning (issue 17, item 1).
 
 Block-Attention (Ma, Wang, Lan, ICLR 2025, Table 1 "w/o block fine-tuning") reports that a model used in
-block mode without block fine-tuning loses accuracy; this script measures that drop (issue 17, item 1, the
-first two rows) in the Lost in the Middle setting (Liu et al., TACL 2024):
+block mode without block fine-tuning loses accuracy and that block fine-tuning (every sample in full and in
+block mode, §2.4) brings it back near full attention. This script measures both in the Lost in the Middle
+setting (Liu et al., TACL 2024):
 
-- data: ``nq-open-oracle.jsonl.gz``; a fixed, seeded held-out split of the questions (``--heldout``);
+- data: ``nq-open-oracle.jsonl.gz``; a fixed, seeded train / held-out split of the questions (``--heldout``);
 - contexts: each question's gold passage plus ``--num-passages - 1`` hard negatives, the passages of the pool
   of all gold passages (``nq_passage_pool``) nearest to the question under MiniLM (exact search), skipping its
   own gold passage and any passage that contains an answer; the gold passage is put at each of ``--positions``;
 - prompt: the model's chat template, one block per passage (``rag_jax.demo.real_model.ChatBlocks``);
-- answers: greedy; score = best-subspan EM (an answer occurs in the reply, as Lost in the Middle).
+- answers: greedy; score = best-subspan EM (an answer occurs in the reply, as Lost in the Middle);
+- fine-tuning (``--finetune-steps``, ``rag_jax.train.block_finetune``): training questions with the gold
+  passage at a random position among their MiniLM hard negatives, as many as fit ``--train-seq-len`` tokens
+  (at most ``--train-passages``), response = the first gold answer + end of turn; the 1:1 full/block mixed
+  batch, loss on the answer tokens; the top ``--train-layers`` layers trained. The tuned model is a run folder
+  (``--run-dir``, resumed when rerun) that ``--model`` accepts.
 
-    rag-jax eval block_nq --limit 50                     # SmolLM2-135M-Instruct, gold at 0 / 4 / 9
+    rag-jax eval block_nq --limit 50                     # SmolLM2-135M-Instruct, gold at 0 / 4 / 9, no fine-tuning
     rag-jax eval block_nq --limit 10 --positions 0,9     # quick run
+    rag-jax eval block_nq --limit 40 --finetune-steps 25 --train-batch 8 --train-layers 8 --train-seq-len 704 \
+        --lr 5e-5 --warmup 3 --skip-base             # CPU recipe: fine-tune, then the tuned model's rows
+    rag-jax eval block_nq --limit 200 --finetune-steps 300 --train-batch 16 --train-layers 0 \
+        --train-seq-len 2048 --lr 2e-5              # accelerator: full fine-tuning on rows of all 10 passages
 """
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
 from rag_jax.evaluation.args import ScriptParser, input_file, int_list, integer, model_source, output_file, real
 from rag_jax.evaluation.tables import table
+from rag_jax.train.block_finetune import BlockFinetuneConfig, finetune
 
 
 def heldout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -56,10 +69,50 @@ def place(negatives: Sequence[int], gold: int, position: int) -> list[int]:
     return [*negatives[:position], gold, *negatives[position:]]
 
 
+def mine_negatives(embedder, index, pool, examples, gold_ids, questions: Sequence[int], k: int) -> list[list[int]]:
+    """Per question of ``questions``: its ``k`` MiniLM hard negatives from ``pool`` (``hard_negatives``), skipping
+    passages that contain one of its answers."""
+    from rag_jax.metrics import best_subspan_em
+    from rag_jax.retrieval.embedders import embed_texts
+
+    q_vecs = embed_texts(embedder, [examples[i].question for i in questions], desc="MiniLM questions")
+    _, ranked = index.search(q_vecs, k + 41)
+    out = []
+    for row, i in zip(ranked, questions):
+        with_answer = [int(j) for j in row if best_subspan_em(pool[j].text, examples[i].answers)]
+        out.append(hard_negatives(row, gold_ids[i], k, with_answer))
+    return out
+
+
+def training_examples(chat, eos_id: int, examples, texts, gold_ids, questions, negatives, seq_len: int, seed: int):
+    """Block-Attention training examples that fill ``seq_len`` tokens (no padding wasted on CPU): per question its
+    chat prompt blocks with the gold passage and as many of its ``negatives`` (in rank order) as fit, the gold at
+    a seeded random position, and the response ``answers[0]`` + ``eos_id``. A question whose gold passage alone
+    does not fit is dropped. Returns ``(examples, dropped count)``."""
+    from rag_jax.data.block_rag import BlockExample, encode
+
+    rng = np.random.default_rng(seed)
+    out, dropped = [], 0
+    for i, neg in zip(questions, negatives):
+        blocks = chat.blocks(examples[i].question, [texts[gold_ids[i]], *[texts[j] for j in neg]])
+        response = (*encode(chat.tokenizer, examples[i].answers[0]), eos_id)
+        total = len(blocks[0]) + len(blocks[1]) + len(blocks[-1]) + len(response)
+        k = 0
+        while k < len(neg) and total + len(blocks[2 + k]) <= seq_len:
+            total += len(blocks[2 + k])
+            k += 1
+        if total > seq_len:
+            dropped += 1
+            continue
+        passages = place(list(range(2, 2 + k)), 1, int(rng.integers(k + 1)))
+        out.append(BlockExample([blocks[0], *[blocks[j] for j in passages], blocks[-1]], response))
+    return out, dropped
+
+
 def main(argv=None) -> int:
     p = ScriptParser(prog="rag-jax eval block_nq", description=__doc__)
     p.add_argument("--model", type=model_source, default="smollm2-135m-instruct",
-                   help="embedded name, .gguf file or HF folder")
+                   help="embedded name, .gguf file, HF or run folder")
     p.add_argument("--data", type=input_file, default=str(shared_file(*NQ_ORACLE)))
     p.add_argument("--limit", type=integer(1), default=50, help="held-out questions evaluated (the first ones)")
     p.add_argument("--heldout", type=real(0, 1, lo_open=True, hi_open=True), default=0.2,
@@ -68,25 +121,45 @@ def main(argv=None) -> int:
     p.add_argument("--num-passages", type=integer(1), default=10)
     p.add_argument("--positions", type=int_list(0), default="0,4,9", help="gold positions (0-based), comma-separated")
     p.add_argument("--max-new-tokens", type=integer(1), default=24)
-    p.add_argument("--batch-size", type=integer(1), default=16)
+    p.add_argument("--batch-size", type=integer(1), default=8,
+                   help="questions per generate call (its KV cache is batch x ~1.5K tokens x 30 layers)")
     p.add_argument("--cache", type=output_file, default=None, help="npz to reuse/store the MiniLM pool embeddings")
-    p.add_argument("--out", type=output_file, default=None, help="JSON output")
+    p.add_argument("--out", type=output_file, default=None, help="JSON output (rewritten after every condition)")
+    ft = p.add_argument_group("Block-Attention fine-tuning (rag_jax.train.block_finetune); off unless --finetune-steps")
+    d = BlockFinetuneConfig()
+    ft.add_argument("--finetune-steps", type=integer(0), default=0, help="optimizer steps; 0 = evaluate --model only")
+    ft.add_argument("--run-dir", type=Path, default=Path("runs/block_nq_ft"),
+                    help="run folder of the tuned model (resumed if present; --model accepts it)")
+    ft.add_argument("--train-layers", type=integer(0), default=d.train_layers,
+                    help="top decoder layers trained (+ final norm); 0 = all parameters")
+    ft.add_argument("--train-passages", type=integer(1), default=None,
+                    help="most passages per training row (gold + hard negatives, as many as fit --train-seq-len); "
+                         "default --num-passages")
+    ft.add_argument("--train-batch", type=integer(1), default=d.batch_size, help="questions per step (2 rows each)")
+    ft.add_argument("--train-seq-len", type=integer(16), default=d.seq_len,
+                    help="training row length in tokens; longer rows dropped")
+    ft.add_argument("--lr", type=real(0, lo_open=True), default=d.learning_rate)
+    ft.add_argument("--warmup", type=integer(0), default=d.warmup_steps)
+    ft.add_argument("--skip-base", action="store_true", help="evaluate only the tuned model")
     args = p.parse_args(argv)
     positions = args.positions
     if any(x >= args.num_passages for x in positions):
         p.error(f"argument --positions: {positions} must lie in [0, --num-passages={args.num_passages})")
+    args.train_passages = args.num_passages if args.train_passages is None else args.train_passages
+    finetune_cfg = (BlockFinetuneConfig(steps=args.finetune_steps, batch_size=args.train_batch,
+                                        seq_len=args.train_seq_len, train_layers=args.train_layers,
+                                        learning_rate=args.lr, warmup_steps=args.warmup, seed=args.seed,
+                                        save_every=max(1, min(10, args.finetune_steps)))
+                    if args.finetune_steps else None)
 
     from rag_jax.demo.real_model import ChatBlocks
-    from rag_jax.evaluation.rag import generate_answers, score_answer
-    from rag_jax.inference.block_attention import BlockAttention
-    from rag_jax.metrics import best_subspan_em
     from rag_jax.model.load import load_model
     from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
     from rag_jax.retrieval.exact import ExactIndex
 
     examples = load_nq_oracle(args.data)
     pool, gold_ids = nq_passage_pool(examples)
-    _, heldout = heldout_split(len(examples), args.heldout, args.seed)
+    train, heldout = heldout_split(len(examples), args.heldout, args.seed)
     heldout = heldout[:args.limit]
     texts = [f"(Title: {x.title}) {x.text}" for x in pool]
     emb = BertEmbedder()
@@ -98,39 +171,79 @@ def main(argv=None) -> int:
             np.savez(args.cache, passages=p_vecs)
     index = ExactIndex(p_vecs.shape[1])
     index.add(p_vecs, np.arange(len(pool)))
-    depth = args.num_passages + 40
-    _, ranked = index.search(emb.embed([examples[i].question for i in heldout]), depth)
-    negatives = []
-    for row, i in zip(ranked, heldout):
-        with_answer = [int(j) for j in row if best_subspan_em(pool[j].text, examples[i].answers)]
-        negatives.append(hard_negatives(row, gold_ids[i], args.num_passages - 1, with_answer))
+    negatives = mine_negatives(emb, index, pool, examples, gold_ids, heldout, args.num_passages - 1)
 
     loaded = load_model(args.model)
-    chat = ChatBlocks(loaded)
-    ba = BlockAttention(loaded.model, fingerprint=str(loaded.source))
-    results = {}
-    for mode in ("full", "block"):
-        for pos in positions:
-            prompts = [chat.blocks(examples[i].question, [texts[j] for j in place(neg, gold_ids[i], pos)])
-                       for neg, i in zip(negatives, heldout)]
-            t0 = time.perf_counter()
-            preds = generate_answers(ba, loaded.tokenizer, prompts, mode=mode, max_new_tokens=args.max_new_tokens,
-                                     batch_size=args.batch_size, eos_id=loaded.eos_ids)
-            em = [score_answer(pr, examples[i].answers, golds_are_set=False)["subspan_em"]
-                  for pr, i in zip(preds, heldout)]
-            results[f"{mode}@{pos}"] = {"subspan_em": float(np.mean(em)), "seconds": time.perf_counter() - t0,
-                                        "prompt_tokens": float(np.mean([sum(map(len, b)) for b in prompts]))}
-            print(f"  {mode} attention, gold at {pos}: best-subspan EM {np.mean(em):.3f}", flush=True)
-    rows = [[mode, *[results[f"{mode}@{x}"]["subspan_em"] for x in positions],
-             np.mean([results[f"{mode}@{x}"]["subspan_em"] for x in positions])] for mode in ("full", "block")]
+    models = {"": loaded} if args.finetune_steps == 0 else {" (no FT)": loaded}
+    if finetune_cfg is not None:
+        # One pass over `steps x batch` training questions (a few more, for dropped ones).
+        order = np.random.default_rng(args.seed).permutation(train)[:finetune_cfg.steps * finetune_cfg.batch_size + 16]
+        train_neg = mine_negatives(emb, index, pool, examples, gold_ids, order.tolist(), args.train_passages - 1)
+        rows, dropped = training_examples(ChatBlocks(loaded), loaded.eos_ids[0], examples, texts, gold_ids,
+                                          order.tolist(), train_neg, finetune_cfg.seq_len, args.seed)
+        rows = rows[:finetune_cfg.steps * finetune_cfg.batch_size]
+        print(f"fine-tuning: {len(rows)} training questions ({dropped} dropped: gold passage alone > "
+              f"{finetune_cfg.seq_len} tokens), {np.mean([len(r.blocks) - 2 for r in rows]):.1f} passages and "
+              f"{np.mean([r.num_tokens for r in rows]):.0f} tokens per row; {finetune_cfg}", flush=True)
+        data_cfg = {"block_nq": {"data": str(args.data), "heldout": args.heldout, "seed": args.seed,
+                                 "train_passages": args.train_passages, "base_model": str(args.model)}}
+        result = finetune(loaded, rows, finetune_cfg, args.run_dir, extra_config=data_cfg)
+        print(f"fine-tuning: {result.step} steps, {result.train_seconds:.0f} s training + "
+              f"{result.compile_seconds:.0f} s compile; last loss_full {result.history[-1]['loss_full']:.3f}, "
+              f"loss_block {result.history[-1]['loss_block']:.3f}", flush=True)
+        del result, loaded  # the train state (params + Adam moments) is not needed for evaluation
+        models = ({} if args.skip_base else models) | {" (after FT)": load_model(args.run_dir)}
+    results = evaluate(models, examples, texts, gold_ids, heldout, negatives, positions, args)
+    names = list(results)
+    rows = [[name, *[results[name][x]["subspan_em"] for x in positions],
+             np.mean([results[name][x]["subspan_em"] for x in positions])] for name in names]
     print(f"# {args.model}, NQ-open held-out: {len(heldout)} questions, {args.num_passages} passages (gold + MiniLM "
-          f"hard negatives from {len(pool)} gold passages); best-subspan EM; no fine-tuning")
+          f"hard negatives from {len(pool)} gold passages); best-subspan EM")
     print(table(["inference", *[f"gold@{x}" for x in positions], "mean"], rows))
-    if args.out is not None:
-        from rag_jax.atomic import write_text
-        write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "questions": len(heldout), "results": results}, indent=1))
     return 0
+
+
+def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positions, args) -> dict:
+    """Best-subspan EM per ``"{mode}{model name}"`` condition and gold position: block then full for a tuned
+    model, full then block otherwise (the table's order). Writes ``args.out`` after every condition.
+
+    Each chunk of ``args.batch_size`` questions is answered at every gold position before the next chunk, so in
+    block mode its passage blocks are encoded once and reused from the KV store (which needs to hold one
+    chunk's blocks only); ``seconds`` is the condition's time split evenly over its positions."""
+    from rag_jax.demo.real_model import ChatBlocks
+    from rag_jax.evaluation.rag import generate_answers, score_answer
+    from rag_jax.inference.block_attention import BlockAttention
+
+    results: dict[str, dict] = {}
+    for name, loaded in models.items():
+        chat = ChatBlocks(loaded)
+        ba = BlockAttention(loaded.model, fingerprint=str(loaded.source))
+        for mode in (("block", "full") if "after" in name else ("full", "block")):
+            preds: dict[int, list[str]] = {pos: [] for pos in positions}
+            t0 = time.perf_counter()
+            for start in range(0, len(heldout), args.batch_size):
+                chunk = list(zip(negatives, heldout))[start:start + args.batch_size]
+                for pos in positions:
+                    prompts = [chat.blocks(examples[i].question, [texts[j] for j in place(neg, gold_ids[i], pos)])
+                               for neg, i in chunk]
+                    preds[pos] += generate_answers(ba, loaded.tokenizer, prompts, mode=mode,
+                                                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                                   eos_id=loaded.eos_ids)
+            seconds = time.perf_counter() - t0
+            cond = results.setdefault(f"{mode}{name}", {})
+            for pos in positions:
+                em = [score_answer(pr, examples[i].answers, golds_are_set=False)["subspan_em"]
+                      for pr, i in zip(preds[pos], heldout)]
+                cond[pos] = {"subspan_em": float(np.mean(em)), "seconds": seconds / len(positions),
+                             "predictions": preds[pos]}
+                print(f"  {mode} attention{name}, gold at {pos}: best-subspan EM {np.mean(em):.3f}", flush=True)
+            print(f"  ({mode} attention{name}: {seconds:.0f} s for {len(heldout)} questions x {len(positions)} "
+                  "positions)", flush=True)
+            if args.out is not None:
+                from rag_jax.atomic import write_text
+                write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                 "questions": len(heldout), "results": results}, indent=1))
+    return results
 
 
 if __name__ == "__main__":

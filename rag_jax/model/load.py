@@ -107,6 +107,13 @@ def _load_hf_folder(path: Path, dtype: str | None) -> LoadedModel:
     return LoadedModel(cfg, model, arch, tok, template, eos_tuple(eos), special, path)
 
 
+def chat_section(loaded: LoadedModel) -> dict:
+    """The ``chat`` section a fine-tuned pretrained model's run folder stores in ``config.yaml`` (its chat
+    template, end ids and special tokens), so ``load_model(run_folder)`` can prompt it like the base model."""
+    return {"template": loaded.chat_template, "eos_ids": list(loaded.eos_ids),
+            "special_tokens": dict(loaded.special_tokens)}
+
+
 def _load_run_folder(path: Path) -> LoadedModel:
     from flax import nnx
 
@@ -114,8 +121,14 @@ def _load_run_folder(path: Path) -> LoadedModel:
     from rag_jax.train.run_folder import load_run
 
     config, graphdef, params, tok = load_run(path)
+    model = nnx.merge(graphdef, params)
+    chat = config.get("chat")
+    if isinstance(chat, dict):  # a fine-tuned pretrained chat model (chat_section)
+        return LoadedModel(config["model"], model, "LlamaForCausalLM", tok, chat.get("template"),
+                           tuple(int(i) for i in chat.get("eos_ids") or ()), dict(chat.get("special_tokens") or {}),
+                           path, config)
     eos = tok.token_to_id(EOS)
-    return LoadedModel(config["model"], nnx.merge(graphdef, params), "LlamaForCausalLM", tok, None,
+    return LoadedModel(config["model"], model, "LlamaForCausalLM", tok, None,
                        () if eos is None else (eos,), {"eos_token": EOS} if eos is not None else {}, path, config)
 
 

@@ -108,6 +108,58 @@ def block_loss(model, batch: dict[str, jax.Array], rng: jax.Array | None = None,
     return loss, metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class MixedBlockLoss:
+    """Block-Attention fine-tuning on a mixed batch (``rag_jax.data.block_rag.mixed_batch``): full rows (every
+    token global) and block rows in ONE ``mode="block"`` forward; the token-mean response loss over all rows.
+
+    With the batch of ``mixed_batch`` (each example once per mode) the loss equals ``BlockLoss()`` (weights
+    1:1) on the examples, at one model call per step.
+
+    Attributes:
+      response_window: if set, logits are computed only on each row's last ``response_window`` real tokens
+        (the vocabulary projection of a 49K-token vocabulary is a large share of a small model's step; the
+        other rows' logits are dead code under jit). Every row's response plus one token must fit in it
+        (e.g. ``max response length + 1``): targets outside the window are not counted.
+
+    Returns ``(loss, {"loss", "loss_full", "loss_block", "accuracy", "num_tokens"})`` (float32 scalars; a row
+    is "full" when all its real tokens are global).
+    """
+
+    response_window: int | None = None
+
+    def __post_init__(self):
+        if self.response_window is not None and self.response_window < 2:
+            raise ValueError(f"response_window={self.response_window} must be None or >= 2 tokens "
+                             "(a response token and the token before it)")
+
+    def __call__(self, model, batch, rng=None):
+        del rng
+        missing = [k for k in BLOCK_BATCH_KEYS if k not in batch]
+        if missing:
+            raise ValueError(f"mixed Block-Attention batch is missing {missing}; it has {sorted(batch)} "
+                             "(see rag_jax.data.block_rag.mixed_batch)")
+        tokens, segment_ids = batch["tokens"], batch["segment_ids"]
+        is_global, loss_mask = batch["is_global"].astype(bool), batch["loss_mask"].astype(jnp.float32)
+        hidden = model(tokens, batch["positions"], segment_ids, mode="block", is_global=is_global).hidden
+        if self.response_window is not None and self.response_window < tokens.shape[1]:
+            w = self.response_window
+            length = jnp.sum(segment_ids > 0, axis=1)
+            idx = jnp.clip(length - w, 0, tokens.shape[1] - w)[:, None] + jnp.arange(w)
+            hidden = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)
+            tokens, loss_mask = (jnp.take_along_axis(x, idx, axis=1) for x in (tokens, loss_mask))
+        nll, hits, n = next_token_nll(model.logits(hidden), tokens, loss_mask[:, 1:])
+        full_row = jnp.all(is_global | (segment_ids == 0), axis=1)
+        denom = jnp.maximum(jnp.sum(n), 1.0)
+        loss = jnp.sum(nll) / denom
+
+        def part(rows):
+            return jnp.sum(jnp.where(rows, nll, 0.0)) / jnp.maximum(jnp.sum(jnp.where(rows, n, 0.0)), 1.0)
+
+        return loss, {"loss": loss, "loss_full": part(full_row), "loss_block": part(~full_row),
+                      "accuracy": jnp.sum(hits) / denom, "num_tokens": jnp.sum(n)}
+
+
 def _response_nll(logits, tokens, loss_mask):
     """(sum of next-token NLL, correct top-1 count, target count) over tokens with ``loss_mask``."""
     return tuple(jnp.sum(x) for x in next_token_nll(logits, tokens, loss_mask[:, 1:]))

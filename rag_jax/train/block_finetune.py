@@ -1,0 +1,120 @@
+"""Block-Attention fine-tuning of a pretrained chat model with the one trainer (``trainer.run``).
+
+Block-Attention (Ma, Wang, Lan, ICLR 2025, §2.4; research note ``shared/research/block_attention.md`` §1.4):
+the v5 recipe trains every sample once in full and once in block attention, loss on the response only. Here a
+step is the mixed batch of ``batch_size`` examples (``block_rag.mixed_batch``: ``2 * batch_size`` rows, one
+model call, ``objectives.block.MixedBlockLoss``). For a CPU budget only the top ``train_layers`` decoder
+layers and the final norm are trained (``optimizer.trainable``; the embedding, tied to the output head, and
+the lower layers stay frozen bit-exactly and no backward pass runs through them); ``train_layers=0`` trains
+every parameter (the paper's full fine-tuning, for an accelerator).
+
+The result is a run folder (``config.yaml`` with the base model's ``chat`` section, ``tokenizer.json``,
+``checkpoints/``) that ``load_model`` / ``--model`` accepts; a rerun with the same folder resumes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from rag_jax.data.block_rag import BlockExample, mixed_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFinetuneConfig:
+    """Attributes:
+      steps: optimizer steps.
+      batch_size: examples per step (the mixed batch has twice as many rows: full and block).
+      seq_len: row length in tokens (every example must fit; one compiled shape).
+      train_layers: top decoder layers trained, with the final norm; 0 = every parameter.
+      learning_rate, warmup_steps: AdamW peak rate (cosine decay to 10%) and linear warmup; no weight decay.
+      seed: example order.
+      save_every: checkpoint interval in steps (the last step is always saved).
+      log_every: steps between ``metrics.jsonl`` rows.
+    """
+
+    steps: int = 100
+    batch_size: int = 4
+    seq_len: int = 768
+    train_layers: int = 4
+    learning_rate: float = 1e-4
+    warmup_steps: int = 10
+    seed: int = 0
+    save_every: int = 50
+    log_every: int = 1
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "save_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"finetune {name}={getattr(self, name)} must be >= 1")
+        if self.train_layers < 0:
+            raise ValueError(f"finetune train_layers={self.train_layers} must be >= 0 (0 = all parameters)")
+
+
+def top_layers(num_layers: int, n: int) -> str | None:
+    """``optimizer.trainable`` regex of the top ``n`` of ``num_layers`` decoder layers and the final norm; None
+    (all parameters) for ``n == 0``. Raises ValueError unless ``0 <= n <= num_layers``."""
+    if not 0 <= n <= num_layers:
+        raise ValueError(f"train_layers={n} must be in [0, num_layers={num_layers}]")
+    if n == 0:
+        return None
+    return f"^(layers/({'|'.join(str(i) for i in range(num_layers - n, num_layers))})/|final_norm/)"
+
+
+def finetune(loaded, examples: Sequence[BlockExample], cfg: BlockFinetuneConfig, run_dir: str | os.PathLike, *,
+             extra_config: dict | None = None, hooks: Sequence[Callable] = ()):
+    """Fine-tune ``loaded`` (``rag_jax.model.load.LoadedModel``) on ``examples`` into the run folder ``run_dir``.
+
+    Args:
+      loaded: the base model with its tokenizer (and chat template, stored in the run folder).
+      examples: training examples with responses (the loss targets), each at most ``cfg.seq_len`` tokens.
+      cfg: the recipe.
+      run_dir: the run folder (resumed when it holds checkpoints of the same run).
+      extra_config: more ``config.yaml`` sections (e.g. the data settings; part of the resume fingerprint).
+      hooks: ``trainer.run`` hooks.
+
+    Returns:
+      the ``trainer.TrainResult``.
+
+    Raises:
+      ValueError: no examples, an example longer than ``cfg.seq_len`` or without a response, ``cfg.seq_len``
+        above the model's ``max_seq_len``, a model without a tokenizer, ``train_layers`` above the model's layer
+        count (all before compiling).
+    """
+    from flax import nnx
+
+    from rag_jax.data.pipeline import DataConfig
+    from rag_jax.model.load import chat_section
+    from rag_jax.train import checkpoint, optim, trainer
+    from rag_jax.train.objectives.block import MixedBlockLoss
+
+    if not examples:
+        raise ValueError("finetune needs at least one training example")
+    if loaded.tokenizer is None:
+        raise ValueError(f"model {loaded.source} has no tokenizer; the run folder needs tokenizer.json")
+    for i, ex in enumerate(examples):
+        if ex.num_tokens > cfg.seq_len or not ex.response:
+            raise ValueError(f"training example {i} has {ex.num_tokens} tokens (seq_len={cfg.seq_len}) and "
+                             f"{len(ex.response)} response tokens; each needs a response and at most seq_len tokens")
+    window = max(len(ex.response) for ex in examples) + 1
+    order = np.random.default_rng(cfg.seed).permutation(len(examples))
+
+    def batch(step: int) -> dict[str, np.ndarray]:
+        idx = [order[(step * cfg.batch_size + i) % len(order)] for i in range(cfg.batch_size)]
+        return mixed_batch([examples[i] for i in idx], cfg.seq_len)
+
+    run_cfg = trainer.RunConfig(
+        model=loaded.config, data=DataConfig(seq_len=cfg.seq_len),
+        optimizer=optim.OptimizerConfig(learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+                                        weight_decay=0.0, trainable=top_layers(loaded.config.num_layers,
+                                                                               cfg.train_layers)),
+        train=trainer.TrainConfig(steps=cfg.steps, global_batch_size=2 * cfg.batch_size, seed=cfg.seed,
+                                  log_every=cfg.log_every, run_dir=str(run_dir)),
+        checkpoint=checkpoint.CheckpointConfig(save_every=cfg.save_every, keep=1))
+    task = trainer.Task(MixedBlockLoss(response_window=window), batch, name="Block-Attention fine-tuning",
+                        tokenizer=loaded.tokenizer, progress_keys=("loss_full", "loss_block"))
+    extra = {"chat": chat_section(loaded), "finetune": dataclasses.asdict(cfg), **(extra_config or {})}
+    return trainer.run(run_cfg, task, init_params=nnx.state(loaded.model, nnx.Param), hooks=hooks,
+                       extra_config=extra)

@@ -1,0 +1,144 @@
+"""Partial fine-tuning (``optimizer.trainable``) and Block-Attention fine-tuning of a pretrained chat model:
+frozen parameters bit-identical after a step, trainable ones equal to optax on the trainable subset alone,
+the run folder loads back with its chat template and resumes."""
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from rag_jax import sharding
+from rag_jax.data.block_rag import BlockExample, mixed_batch
+from rag_jax.data.tokenizer import byte_tokenizer
+from rag_jax.model import ModelConfig, Transformer
+from rag_jax.model.load import LoadedModel, load_model
+from rag_jax.train import optim, step as step_lib
+from rag_jax.train.block_finetune import BlockFinetuneConfig, finetune, top_layers
+from rag_jax.train.objectives.block import MixedBlockLoss
+
+CFG = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2, num_kv_heads=1,
+                  max_seq_len=96)
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+            "<|im_start|>assistant\n")
+
+
+def _examples(seed, n=4, vocab=CFG.vocab_size):
+    rng = np.random.default_rng(seed)
+    return [BlockExample([rng.integers(1, vocab, int(rng.integers(2, 9))).tolist() for _ in range(int(k))],
+                         rng.integers(1, vocab, int(rng.integers(1, 5))).tolist())
+            for k in rng.integers(2, 5, n)]
+
+
+def _leaves(params) -> dict[str, np.ndarray]:
+    return {optim.param_path(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def test_top_layers_and_trainable_mask():
+    pattern = top_layers(30, 2)
+    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(CFG.replace(num_layers=30), rngs=nnx.Rngs(0))))[1]
+    mask = _leaves(optim.trainable_mask(optim.OptimizerConfig(trainable=pattern), abstract))
+    assert {k for k, v in mask.items() if v} == {k for k in mask if k.startswith(("layers/28/", "layers/29/"))} | {
+        "final_norm/scale"}
+    assert len(mask) == 3 + 30 * 9 and "layers/2/attn/wq" in mask and not mask["embedding"] and not mask["lm_head"]
+    assert top_layers(30, 0) is None and optim.trainable_mask(optim.OptimizerConfig(), abstract) is None
+    with pytest.raises(ValueError, match="train_layers=31"):
+        top_layers(30, 31)
+    with pytest.raises(ValueError, match="not a regular expression"):
+        optim.OptimizerConfig(trainable="layers/(")
+    with pytest.raises(ValueError, match="matches no parameter; paths look like \\['embedding'"):
+        optim.trainable_mask(optim.OptimizerConfig(trainable="^lora/"), abstract)
+
+
+def test_frozen_parameters_are_bit_identical_after_a_step():
+    """One train step with ``trainable`` = the top layer: the others are unchanged to the bit; the top layer's
+    update equals clip + AdamW (weight decay on) applied by optax to the trainable parameters alone, with
+    gradients of the unmasked loss."""
+    opt_cfg = optim.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, grad_clip_norm=0.5,
+                                    trainable=top_layers(CFG.num_layers, 1))
+    tx = optim.make_optimizer(opt_cfg, 10)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+    seed = int(np.random.default_rng().integers(1 << 30))
+    graphdef, state, shardings = step_lib.init_train_state(CFG, tx, mesh, seed=seed)
+    params = jax.device_get(state.params)
+    batch = {k: jnp.asarray(v) for k, v in mixed_batch(_examples(seed), 40).items()}
+    loss_fn = MixedBlockLoss()
+    train_step = step_lib.make_train_step(graphdef, tx, loss_fn, shardings, mesh,
+                                          trainable=optim.trainable_mask(opt_cfg, state.params))
+    new, metrics = train_step(state, batch)
+    before, after = _leaves(params), _leaves(jax.device_get(new.params))
+    trained = {k for k in before if k.startswith(("layers/2/", "final_norm/"))}
+    assert len(trained) == 10
+    for k in before.keys() - trained:
+        assert np.array_equal(before[k], after[k]), k
+
+    grads = jax.jit(jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch)[0]))(params)
+    sub = lambda tree: {k: v for k, v in _leaves(tree).items() if k in trained}  # noqa: E731
+    ref_tx = optax.chain(optax.clip_by_global_norm(0.5),
+                         optax.adamw(1e-2, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps, weight_decay=0.1,
+                                     mask=lambda t: {k: v.ndim >= 2 for k, v in t.items()}))
+    updates, _ = ref_tx.update(sub(grads), ref_tx.init(sub(params)), sub(params))
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(sub(grads))), rtol=1e-5)
+    for k in trained:
+        np.testing.assert_allclose(after[k], before[k] + np.asarray(updates[k]), rtol=0, atol=2e-6)  # lr 1e-2 steps
+        assert not np.array_equal(after[k], before[k]), k
+
+
+def _tiny_chat_model(seed: int) -> LoadedModel:
+    tok = byte_tokenizer()
+    return LoadedModel(CFG, Transformer(CFG, rngs=nnx.Rngs(seed)), "LlamaForCausalLM", tok, TEMPLATE, (10,),
+                       {"eos_token": "\n"}, Path("tiny-chat"))
+
+
+def test_finetune_writes_a_run_folder_that_loads_and_resumes(tmp_path):
+    base = _tiny_chat_model(int(np.random.default_rng().integers(1 << 30)))
+    examples = _examples(1, n=8)
+    cfg = BlockFinetuneConfig(steps=2, batch_size=4, seq_len=48, train_layers=1, learning_rate=1e-2,
+                              warmup_steps=0, save_every=1, log_every=1)
+    base_params = _leaves(nnx.state(base.model, nnx.Param))
+    result = finetune(base, examples, cfg, tmp_path / "run", extra_config={"data": {"n": 8}})
+    assert result.step == 2 and {"loss_full", "loss_block"} <= result.history[-1].keys()
+
+    tuned = load_model(tmp_path / "run")
+    assert tuned.kind == "run" and tuned.chat_template == TEMPLATE and tuned.eos_ids == (10,)
+    assert tuned.special_tokens == {"eos_token": "\n"} and tuned.tokenizer.encode("ab").ids == [97, 98]
+    assert tuned.run_config["finetune"] == dataclasses.asdict(cfg)
+    tuned_params = _leaves(nnx.state(tuned.model, nnx.Param))
+    assert tuned_params.keys() == base_params.keys()
+    for k, v in base_params.items():
+        assert np.array_equal(v, tuned_params[k]) != k.startswith(("layers/2/", "final_norm/")), k
+
+    again = finetune(base, examples, cfg, tmp_path / "run", extra_config={"data": {"n": 8}})
+    assert again.start_step == 2 and again.step == 2
+    with pytest.raises(ValueError, match="training example 0 has .* tokens \\(seq_len=4\\)"):
+        finetune(base, examples, dataclasses.replace(cfg, seq_len=4), tmp_path / "other")
+
+
+def test_nq_training_rows_fill_seq_len_with_ranked_negatives():
+    from types import SimpleNamespace
+
+    from rag_jax.demo.real_model import PASSAGE, ChatBlocks
+    from rag_jax.evaluation.block_nq import training_examples
+    rng = np.random.default_rng()
+    loaded = _tiny_chat_model(0)
+    chat = ChatBlocks(loaded)
+    texts = ["".join(rng.choice(list("abcdefgh "), int(n))) + "." for n in rng.integers(5, 40, 30)]
+    examples = [SimpleNamespace(question=f"q{i}?", answers=(f"ans{i}", "other")) for i in range(6)]
+    gold_ids = rng.permutation(30)[:6].tolist()
+    negatives = [[j for j in rng.permutation(30).tolist() if j != g][:5] for g in gold_ids]
+    seq_len = 240
+    rows, dropped = training_examples(chat, 10, examples, texts, gold_ids, range(6), negatives, seq_len, seed=1)
+    assert dropped == 0 and len(rows) == 6
+    ids = lambda text: loaded.tokenizer.encode(PASSAGE.format(text=text.strip())).ids  # noqa: E731
+    for ex, i, neg, g in zip(rows, range(6), negatives, gold_ids):
+        assert ex.response == (*b"ans%d" % i, 10) and ex.num_tokens <= seq_len
+        passages = [list(b) for b in ex.blocks[1:-1]]
+        k = len(passages) - 1
+        assert sorted(map(tuple, passages)) == sorted(tuple(ids(texts[j])) for j in [g, *neg[:k]])
+        assert k == len(neg) or ex.num_tokens + len(ids(texts[neg[k]])) > seq_len      # the next one does not fit
+        assert ex.blocks[0] == tuple(chat.blocks("x", [])[0]) and ex.blocks[-1] == tuple(chat.blocks(f"q{i}?", [])[-1])
+    assert len({[list(b) for b in ex.blocks[1:-1]].index(ids(texts[g])) for ex, g in zip(rows, gold_ids)}) > 1
+    assert training_examples(chat, 10, examples, texts, gold_ids, range(6), negatives, 20, seed=1) == ([], 6)
