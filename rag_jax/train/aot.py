@@ -97,7 +97,8 @@ def compile_train_step(run_cfg, mesh: Mesh):
     shardings = step_lib.train_state_shardings(abstract, specs, tx, mesh, run_cfg.rules)
     from rag_jax.train.trainer import resolve_objective
     train_step = step_lib.make_train_step(graphdef, tx, resolve_objective(tc.objective), shardings, mesh,
-                                          accum_steps=tc.grad_accum_steps, seed=tc.seed, rules=run_cfg.rules)
+                                          accum_steps=tc.grad_accum_steps, seed=tc.seed, rules=run_cfg.rules,
+                                          trainable=optim.trainable_mask(run_cfg.optimizer, abstract.params))
     batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(("batch",), mesh, run_cfg.rules))
     shape = (tc.global_batch_size, run_cfg.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)

@@ -133,7 +133,7 @@ def _weighted_grads(loss_and_grad, params, batch, rng, accum_steps: int, micro_s
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, shardings: TrainState, mesh: Mesh,
                     *, accum_steps: int = 1, seed: int = 0, rules: sharding.Rules = sharding.DEFAULT_RULES,
-                    learning_rate_fn: Callable | None = None):
+                    learning_rate_fn: Callable | None = None, trainable: Any = None):
     """Jitted ``step(state, batch) -> (state, metrics)``.
 
     Args:
@@ -145,6 +145,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn,
         of data-parallel size x accum_steps).
       seed: base of the per-step PRNG key ``fold_in(key(seed), step)`` handed to loss_fn.
       learning_rate_fn: optional schedule, logged as ``metrics["learning_rate"]``.
+      trainable: optional pytree of Python bools like the params (``optim.trainable_mask``): the others enter
+        the loss through ``jax.lax.stop_gradient``, so their gradients are zeros and no backward pass runs
+        below the lowest trainable parameter (pair it with the optimizer of the same mask, which freezes them).
 
     Returns:
       the jitted step; state is donated. Metrics (float32 scalars, replicated): loss_fn's metrics plus
@@ -158,6 +161,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn,
     replicated = NamedSharding(mesh, P())
 
     def loss_of(params, batch, rng):
+        if trainable is not None:
+            params = jax.tree.map(lambda p, t: p if t else jax.lax.stop_gradient(p), params, trainable)
         return loss_fn(nnx.merge(graphdef, params), batch, rng)
 
     loss_and_grad = jax.value_and_grad(loss_of, has_aux=True)

@@ -331,7 +331,8 @@ def run(cfg: RunConfig, task: Task | None = None, *, init_params=None, mesh=None
 
     train_step = step_lib.make_train_step(graphdef, tx, task.loss_fn, shardings, mesh,
                                           accum_steps=tc.grad_accum_steps, seed=tc.seed, rules=cfg.rules,
-                                          learning_rate_fn=schedule)
+                                          learning_rate_fn=schedule,
+                                          trainable=optim.trainable_mask(cfg.optimizer, state.params))
 
     def device_batch(step):
         host = first if step == 0 and start == 0 else task.batch(step)
