@@ -17,8 +17,8 @@ import importlib
 import sys
 import time
 
-EVALS = ("block_nq", "block_quality", "grit_eval", "long_context", "passkey", "rag_qa", "retrieval_nq",
-         "retrieval_recall")
+EVALS = ("block_nq", "block_quality", "grit_eval", "grit_pretrained", "long_context", "passkey", "rag_qa",
+         "retrieval_nq", "retrieval_recall")
 BENCHES = ("attention", "em_llm_bench", "grit_caching", "load_and_speed", "model_vs_torch", "retrieval_bench",
            "train_bench", "ttft")
 SCRIPTS = {"eval": ("rag_jax.evaluation", EVALS), "bench": ("rag_jax.benchmarks", BENCHES)}

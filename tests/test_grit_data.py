@@ -139,3 +139,52 @@ def test_grit_configs_load():
         assert cfg.data.generative_max_len <= cfg.model.max_seq_len
     with pytest.raises(config_lib.ConfigError, match="loss_gen_type"):
         config_lib.load_config(grit_eval.GritRunConfig, paths[0], ["grit.loss_gen_type=sum"])
+
+
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
+          "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_chat_format_generation_spans_and_embedding_prefixes():
+    from types import SimpleNamespace
+
+    from rag_jax.data.grit import ChatGritFormat
+
+    fmt = ChatGritFormat(CHATML, (("eos_token", "<|im_end|>"),))
+    text, spans = fmt.generation(["who is Bob?", " Bob ", "and Alice?", "Alice"])
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nwho is Bob?<|im_end|>\n"
+                    "<|im_start|>assistant\nBob<|im_end|>\n<|im_start|>user\nand Alice?<|im_end|>\n"
+                    "<|im_start|>assistant\nAlice<|im_end|>\n")
+    assert [text[a:b] for a, b in spans] == ["Bob<|im_end|>", "Alice<|im_end|>"]
+    # The answer also occurs in the user turn before it: the span is the assistant's copy.
+    text, spans = fmt.generation(["Bob or Alice?", "Bob"])
+    assert spans[0][0] == text.index("assistant\nBob") + len("assistant\n")
+    assert fmt.embed_prefix("Find it") == "<|im_start|>user\nFind it<|im_end|>\n<|im_start|>embed\n"
+    assert fmt.embed_prefix("") == "<|im_start|>embed\n"
+    with pytest.raises(ValueError, match="even"):
+        fmt.generation(["only a question"])
+    with pytest.raises(ValueError, match="non-empty"):
+        fmt.generation(["q", "  "])
+    loaded = SimpleNamespace(tokenizer=object(), chat_template=CHATML, special_tokens={"eos_token": "<|im_end|>"},
+                             source="m")
+    assert ChatGritFormat.from_loaded(loaded) == fmt
+    with pytest.raises(ValueError, match="ChatML"):
+        ChatGritFormat.from_loaded(SimpleNamespace(**{**vars(loaded), "chat_template": "{{ messages }}"}))
+
+
+def test_chat_format_tokenized_masks():
+    """Pool masks cover only the text after the ChatML prefix; the loss mask only the answer and <|im_end|>."""
+    from rag_jax.data.grit import ChatGritFormat
+    from rag_jax.model.embedding import tokenize_for_embedding
+
+    rng = np.random.default_rng(2)
+    tok = train_bpe([" ".join(rng.choice(WORDS, 10)) for _ in range(200)] + ["user\nsystem\nembed\nassistant\n"] * 10,
+                    380, special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+    fmt = ChatGritFormat(CHATML, (("eos_token", "<|im_end|>"),))
+    ids, pool = tokenize_for_embedding(tok, "river city music", INSTR, max_len=64, fmt=fmt)
+    assert decode(tok, ids, pool).strip() == "river city music"
+    assert decode(tok, ids, 1 - pool) == f"<|im_start|>user\n{INSTR}<|im_end|>\n<|im_start|>embed\n"
+    row = tokenize_generative_record({"text": ["who is river", "mountain city"]}, tok, 96, fmt)
+    assert decode(tok, row["gen_tokens"], row["gen_loss_mask"]).strip() == "mountain city<|im_end|>"

@@ -60,6 +60,80 @@ class GritDataConfig:
                 raise ValueError(f"GritDataConfig.{name}={getattr(self, name)} must be >= 2 tokens")
 
 
+@dataclasses.dataclass(frozen=True)
+class ChatGritFormat:
+    """GRIT prompt formats of a pretrained chat model (a drop-in for ``GritFormat`` in this module and
+    ``rag_jax.model.embedding``): generation through the model's own chat template, embedding in its
+    turn markup with an ``embed`` turn in place of GritLM's ``<|embed|>`` marker (paper §2).
+
+    - query: ``query_prefix`` with the instruction, e.g. ChatML
+      ``<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>embed\n{text}``; document:
+      ``document_prefix`` + text. Only the text is pooled (``tokenize_for_embedding``).
+    - generation: the template rendered over ``[user, assistant, ...]`` messages without a generation
+      prompt (its default system turn included, as at inference); the loss spans are each assistant
+      message and the end-of-turn text (``eos``) right after it (paper Eq. 2: ``{assistant}</s>``).
+
+    Attributes:
+      template: the Jinja chat template (``LoadedModel.chat_template``).
+      special_tokens: ``(name, text)`` pairs the template uses (``LoadedModel.special_tokens`` items).
+      eos: the end-of-turn text that follows an assistant message (ChatML ``<|im_end|>``).
+      query_prefix, document_prefix: embedding prefixes (``{instruction}`` is filled in).
+    """
+
+    template: str
+    special_tokens: tuple[tuple[str, str], ...] = ()
+    eos: str = "<|im_end|>"
+    query_prefix: str = "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>embed\n"
+    document_prefix: str = "<|im_start|>embed\n"
+
+    @classmethod
+    def from_loaded(cls, loaded) -> "ChatGritFormat":
+        """The format of a ``rag_jax.model.load.LoadedModel`` with a ChatML template (its ``eos_token`` ends a turn).
+
+        Raises:
+          ValueError: no tokenizer or chat template, or a template that is not ChatML (the embedding prefixes
+            are ChatML turns; build the format with matching prefixes for another markup).
+        """
+        template = loaded.chat_template
+        if loaded.tokenizer is None or template is None or "<|im_start|>" not in template:
+            raise ValueError(f"model {loaded.source} needs a tokenizer and a ChatML chat template (<|im_start|> "
+                             "turns) for ChatGritFormat.from_loaded; pass query_prefix/document_prefix for others")
+        special = dict(loaded.special_tokens)
+        return cls(template, tuple(sorted(special.items())), eos=special.get("eos_token") or "<|im_end|>")
+
+    def embed_prefix(self, instruction: str = "") -> str:
+        """Text before an embedded sample: the query prefix with ``instruction``, or the document prefix."""
+        return self.query_prefix.format(instruction=instruction) if instruction else self.document_prefix
+
+    def generation(self, turns: list[str]) -> tuple[str, list[tuple[int, int]]]:
+        """``[user1, assistant1, ...]`` -> ``(chat text, [start, end) character spans of each assistant message
+        plus the end-of-turn text after it)``.
+
+        Raises:
+          ValueError: no turns, an odd number of turns, an empty turn, or a template that drops a message.
+        """
+        from rag_jax.inference.chat import render_chat
+
+        if not turns or len(turns) % 2:
+            raise ValueError(f"generative 'text' must be [user, assistant, user, assistant, ...] with an even, "
+                             f"non-zero number of turns; got {len(turns)} turns")
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t.strip() if i % 2 else t}
+                    for i, t in enumerate(turns)]
+        if any(not m["content"].strip() for m in messages):
+            raise ValueError(f"generative turns must be non-empty; got {turns!r:.200}")
+        text = render_chat(self.template, messages, add_generation_prompt=False, **dict(self.special_tokens))
+        spans, cursor = [], 0
+        for m in messages:
+            start = text.find(m["content"], cursor)
+            if start < 0:
+                raise ValueError(f"the chat template does not render the {m['role']} message {m['content']!r:.80}")
+            cursor = start + len(m["content"])
+            if m["role"] == "assistant":
+                end = cursor + (len(self.eos) if text.startswith(self.eos, cursor) else 0)
+                spans.append((start, end))
+        return text, spans
+
+
 def _text_item(value: Any, where: str) -> tuple[str, str]:
     """``text`` or ``[instruction, text]`` -> ``(instruction, text)``; raises ValueError naming ``where``."""
     if isinstance(value, str):

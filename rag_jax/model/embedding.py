@@ -139,7 +139,7 @@ def mean_pool_normalize(hidden: jax.Array, pool_mask: jax.Array) -> jax.Array:
 
 
 def encode(model: Transformer, tokens: jax.Array, attention_mask: jax.Array, pool_mask: jax.Array, *,
-           mode: str = "bidirectional") -> tuple[jax.Array, ModelOutput]:
+           mode: str = "bidirectional", inputs_embeds: jax.Array | None = None) -> tuple[jax.Array, ModelOutput]:
     """The embedding pass.
 
     Args:
@@ -147,6 +147,8 @@ def encode(model: Transformer, tokens: jax.Array, attention_mask: jax.Array, poo
       attention_mask: int ``[batch, seq]``, 1 on real tokens (used as ``segment_ids``).
       pool_mask: int ``[batch, seq]``, 1 on sample tokens (subset of ``attention_mask``).
       mode: ``"bidirectional"`` (GRIT) or ``"causal"`` (ablation / exact-cache check).
+      inputs_embeds: optional ``[batch, seq, hidden]`` first-layer input instead of the token embeddings
+        (a frozen bottom's output, ``rag_jax.train.frozen_bottom``).
 
     Returns:
       ``(reps float32 [batch, hidden_size] unit-norm, ModelOutput)``; ``ModelOutput.kv`` is the
@@ -155,7 +157,7 @@ def encode(model: Transformer, tokens: jax.Array, attention_mask: jax.Array, poo
     check_bidirectional_window(model.config, tokens.shape[1])
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     segment_ids = attention_mask.astype(jnp.int32)
-    out = model(tokens, positions, segment_ids, mode=mode)
+    out = model(tokens, positions, segment_ids, mode=mode, inputs_embeds=inputs_embeds)
     return mean_pool_normalize(out.hidden, pool_mask * segment_ids), out
 
 
@@ -176,11 +178,14 @@ class GritEmbedder:
       instruction: default instruction (``""`` = document format).
       max_length: tokens per input incl. prefix (inputs are truncated; reference eval uses 512).
       batch_size: inputs per forward.
-      fmt: prompt strings.
+      fmt: prompt strings (``GritFormat`` or ``rag_jax.data.grit.ChatGritFormat``).
+      inputs_embeds: optional ``(tokens, attention_mask) -> float [batch, seq, hidden]``, the first-layer inputs of
+        a padded batch instead of the token embeddings: with a top model of ``rag_jax.train.frozen_bottom``, the
+        frozen bottom's cached output (``lambda t, m: frozen.inputs_embeds("bidirectional", t, m)``).
     """
 
     def __init__(self, model, tokenizer, *, instruction: str = "", max_length: int = 512, batch_size: int = 32,
-                 fmt: GritFormat = GritFormat()):
+                 fmt: GritFormat = GritFormat(), inputs_embeds=None):
         if isinstance(model, Transformer):
             model = nnx.split(model)
         self._graphdef, self._state = model
@@ -191,13 +196,13 @@ class GritEmbedder:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         check_bidirectional_window(cfg, max_length)
         self.tokenizer, self.instruction, self.fmt = tokenizer, instruction, fmt
-        self.max_length, self.batch_size = max_length, batch_size
+        self.max_length, self.batch_size, self.inputs_embeds = max_length, batch_size, inputs_embeds
         self.dim = cfg.hidden_size
         graphdef = self._graphdef
 
         @jax.jit
-        def _embed(state, tokens, attention_mask, pool_mask):
-            return encode(nnx.merge(graphdef, state), tokens, attention_mask, pool_mask)[0]
+        def _embed(state, tokens, attention_mask, pool_mask, x):
+            return encode(nnx.merge(graphdef, state), tokens, attention_mask, pool_mask, inputs_embeds=x)[0]
 
         self._embed = _embed
 
@@ -224,5 +229,6 @@ class GritEmbedder:
             for r, i in enumerate(chunk):
                 ids, pm = rows[i]
                 tokens[r, :len(ids)], attn[r, :len(ids)], pool[r, :len(ids)] = ids, 1, pm
-            out[chunk] = np.asarray(self._embed(self._state, tokens, attn, pool))[:len(chunk)]
+            x = None if self.inputs_embeds is None else self.inputs_embeds(tokens, attn)
+            out[chunk] = np.asarray(self._embed(self._state, tokens, attn, pool, x))[:len(chunk)]
         return out

@@ -245,7 +245,7 @@ class Transformer(nnx.Module):
         return nnx.remat(run, policy=policy)
 
     def __call__(self, tokens, positions, segment_ids, *, mode: str = "causal", is_global=None,
-                 kv_cache: KVSegment | None = None) -> ModelOutput:
+                 kv_cache: KVSegment | None = None, inputs_embeds=None) -> ModelOutput:
         """Forward pass.
 
         Args:
@@ -255,15 +255,35 @@ class Transformer(nnx.Module):
           mode: ``"causal" | "bidirectional" | "block"`` (see ``masks.build_mask``).
           is_global: bool ``[batch, seq]`` global tokens for ``block`` mode, or None.
           kv_cache: cached ``KVSegment`` attended before the new tokens, or None.
+          inputs_embeds: ``[batch, seq, hidden]`` input of the first layer instead of the token embeddings
+            (as HF ``inputs_embeds``), e.g. a frozen bottom's ``residual`` (``rag_jax.train.frozen_bottom``);
+            ``tokens`` then only give the shape (and the targets to a loss).
 
         Returns:
           ``ModelOutput(logits float32 [b, s, vocab], hidden [b, s, hidden], kv KVSegment of the new tokens)``.
 
         Raises:
-          ValueError / TypeError: see ``check_inputs``.
+          ValueError / TypeError: see ``check_inputs``; ``inputs_embeds`` not ``[batch, seq, hidden]``.
         """
+        x, ks, vs = self._layers(tokens, positions, segment_ids, mode, is_global, kv_cache, inputs_embeds)
+        hidden = self.final_norm(x)
+        kv = KVSegment(k=jnp.stack(ks), v=jnp.stack(vs), positions=positions.astype(jnp.int32),
+                       segment_ids=segment_ids.astype(jnp.int32))
+        return ModelOutput(self.logits(hidden), hidden, kv)
+
+    def residual(self, tokens, positions, segment_ids, *, mode: str = "causal", is_global=None, inputs_embeds=None):
+        """The residual stream after the last layer, before the final norm: ``[batch, seq, hidden]`` (compute
+        dtype); arguments as ``__call__``. For a model of a checkpoint's first n layers this is the input of layer
+        n (HF ``hidden_states[n]``), which a model of the remaining layers continues from as ``inputs_embeds``."""
+        return self._layers(tokens, positions, segment_ids, mode, is_global, None, inputs_embeds)[0]
+
+    def _layers(self, tokens, positions, segment_ids, mode, is_global, kv_cache, inputs_embeds):
+        """Checks, masks, RoPE tables and the layer stack -> ``(x [b, s, hidden] before the final norm, ks, vs)``."""
         cfg = self.config
         check_inputs(cfg, tokens, positions, segment_ids, mode, is_global, kv_cache)
+        if inputs_embeds is not None and tuple(inputs_embeds.shape) != (*tokens.shape, cfg.hidden_size):
+            raise ValueError(f"inputs_embeds shape {tuple(inputs_embeds.shape)} must be [batch, seq, hidden] = "
+                             f"{(*tokens.shape, cfg.hidden_size)}")
         positions = positions.astype(jnp.int32)
         segment_ids = segment_ids.astype(jnp.int32)
         if kv_cache is None:
@@ -280,7 +300,7 @@ class Transformer(nnx.Module):
         k_rope = q_rope if kv_cache is None else rope_angles(kv_pos, self.inv_freq)
         q_rope, k_rope = _materialize((q_rope, k_rope))
         layer_fn = self._layer_fn()
-        x = self.embed(tokens)
+        x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(cfg.compute_dtype)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             mask = masks[window and cfg.layer_window(i)]  # per-layer windows (HF layer_types)
@@ -290,9 +310,7 @@ class Transformer(nnx.Module):
                 x, (k, v) = layer_fn(layer, x, q_rope, k_rope, mask, kv_cache.k[i], kv_cache.v[i])
             ks.append(k)
             vs.append(v)
-        hidden = self.final_norm(x)
-        kv = KVSegment(k=jnp.stack(ks), v=jnp.stack(vs), positions=positions, segment_ids=segment_ids)
-        return ModelOutput(self.logits(hidden), hidden, kv)
+        return x, ks, vs
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -56,6 +56,9 @@ class GritConfig:
         ``None`` = the whole generative batch is one group.
       negatives_cross_device: gather negatives over the data-parallel axes (``--negatives_cross_device``).
       data_axes: mesh axes the batch is sharded over.
+      gen_window: if set, output logits are computed only on each generative row's last ``gen_window`` real
+        tokens (the vocabulary projection dominates a small model's generative pass); every row's targets
+        plus the token before them must fit in it, targets outside are not counted. None = every position.
     """
 
     mode: str = "unified"
@@ -65,8 +68,11 @@ class GritConfig:
     gen_sub_batch_size: int | None = None
     negatives_cross_device: bool = True
     data_axes: tuple[str, ...] = ("data", "fsdp")
+    gen_window: int | None = None
 
     def __post_init__(self):
+        if self.gen_window is not None and self.gen_window < 2:
+            raise ValueError(f"GritConfig.gen_window={self.gen_window} must be None or >= 2 tokens")
         if self.mode not in MODES:
             raise ValueError(f"GritConfig.mode={self.mode!r}; valid: {MODES}")
         if self.loss_gen_type not in GEN_REDUCTIONS:
@@ -238,7 +244,9 @@ class GritLoss:
     Batch (right-padded int32 arrays, leading global batch axis; see ``rag_jax.data.grit``):
       ``query_tokens/query_attention_mask/query_pool_mask`` ``[B, Lq]``,
       ``passage_tokens/passage_attention_mask/passage_pool_mask`` ``[B·G, Lp]``,
-      ``gen_tokens/gen_attention_mask/gen_loss_mask`` ``[Bg, Lg]``.
+      ``gen_tokens/gen_attention_mask/gen_loss_mask`` ``[Bg, Lg]``; optionally ``query_inputs_embeds``,
+      ``passage_inputs_embeds``, ``gen_inputs_embeds`` float ``[rows, L, hidden]``: the first-layer inputs
+      instead of the token embeddings (a frozen bottom's output, ``rag_jax.train.frozen_bottom``).
     With ``mesh`` the contrastive loss runs under ``shard_map`` over ``config.data_axes`` (cross-device
     negatives or shard-local ones per ``negatives_cross_device``); without a mesh it is computed on the
     global batch, where every negative is visible (``negatives_cross_device=False`` then needs a mesh).
@@ -265,9 +273,8 @@ class GritLoss:
         check_batch(config, batch)
         metrics, loss = {}, jnp.float32(0.0)
         if config.mode != "generative":
-            q, _ = encode(model, batch["query_tokens"], batch["query_attention_mask"], batch["query_pool_mask"])
-            p, _ = encode(model, batch["passage_tokens"], batch["passage_attention_mask"],
-                          batch["passage_pool_mask"])
+            q, p = (encode(model, batch[f"{side}_tokens"], batch[f"{side}_attention_mask"], batch[f"{side}_pool_mask"],
+                           inputs_embeds=batch.get(f"{side}_inputs_embeds"))[0] for side in ("query", "passage"))
             if mesh is None:
                 loss_rep = info_nce(q, p, config.temperature)
             else:
@@ -281,9 +288,14 @@ class GritLoss:
         if config.mode != "embedding":
             tokens, attn = batch["gen_tokens"], batch["gen_attention_mask"].astype(jnp.int32)
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-            out = model(tokens, positions, attn, mode="causal")
-            loss_gen, acc = next_token_loss(out.logits, tokens, batch["gen_loss_mask"] * attn,
-                                            reduction=config.loss_gen_type,
+            hidden = model(tokens, positions, attn, mode="causal", inputs_embeds=batch.get("gen_inputs_embeds")).hidden
+            loss_mask = batch["gen_loss_mask"] * attn
+            if config.gen_window is not None and config.gen_window < tokens.shape[1]:
+                w = config.gen_window
+                idx = jnp.clip(attn.sum(axis=1) - w, 0, tokens.shape[1] - w)[:, None] + jnp.arange(w)
+                hidden = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)
+                tokens, loss_mask = (jnp.take_along_axis(x, idx, axis=1) for x in (tokens, loss_mask))
+            loss_gen, acc = next_token_loss(model.logits(hidden), tokens, loss_mask, reduction=config.loss_gen_type,
                                             sub_batch_size=config.gen_sub_batch_size)
             metrics["loss_gen"] = loss_gen
             metrics["gen_accuracy"] = acc

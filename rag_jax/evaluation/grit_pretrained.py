@@ -1,0 +1,384 @@
+"""GRIT fine-tuning of a pretrained chat model (SmolLM2-135M-Instruct) on NQ-open: retrieval and oracle-passage EM.
+
+GritLM (ICLR 2025, §2-3): one model trained with ``L_Rep + L_Gen`` matches an embedding-only model on
+retrieval and keeps its generation. Here the model starts from a pretrained checkpoint with its own tokenizer
+and chat template (issue 17, item 3):
+
+- data: ``nq-open-oracle.jsonl.gz``; the pool of all gold passages (``nq_passage_pool``, texts
+  ``"{title}\\n{text}"``); a seeded split into held-out and training questions;
+- embedding mode (``GritLoss`` / ``GritEmbedder`` conventions): bidirectional attention, mean pooling over the
+  text only (instruction and format tokens excluded, GritLM §2), ChatML turns with an ``embed`` role
+  (``rag_jax.data.grit.ChatGritFormat``); queries with ``--instruction``, passages without, passages cut to
+  ``--passage-len`` tokens;
+- training data: per training question the query, its gold passage and ``--negatives`` hard negatives (the
+  base model's top-ranked training passages that are not gold and contain no answer); generative rows
+  ``[passage window around the answer + question (the demo's RAG prompt) -> response]`` in the chat template,
+  loss on the response and its end-of-turn token. ``--gen-targets base`` (default): the response is the base
+  model's own greedy reply, so the generative loss keeps the model's generation while the shared top layers
+  learn embeddings (GritLM trains on instruction data, Tülu 2, for that role); ``gold``: the gold answer (a
+  new, terse answer style that 2 trained layers and a few hundred rows learn poorly: oracle EM fell from 0.36
+  to 0.26 in our run);
+- recipe (CPU): only the top ``--top-layers`` decoder layers and the final norm are trained
+  (``optimizer.trainable``; embedding and lower layers frozen); the frozen lower layers run once per distinct
+  input (``rag_jax.train.frozen_bottom``, exact) and are cached in ``--cache-dir``, so the train steps and the
+  tuned models' embeddings run only the top layers. ``unified`` (both losses) and ``embedding`` (L_Rep only)
+  train the same steps on the same data order through the one trainer;
+- evaluation: recall@1/5/20 of held-out questions over ``--pool`` passages (their gold passages plus random
+  others) for the base model, the tuned models and MiniLM (``BertEmbedder``, full passages); oracle-passage
+  best-subspan EM (greedy, chat prompt, ``rag_jax.demo.real_model.ChatBlocks``, full attention) of the base
+  and the unified model on the held-out questions.
+
+    rag-jax eval grit_pretrained                                 # defaults: 100 held-out, pool 1000
+    rag-jax eval grit_pretrained --eval-questions 40 --pool 200 --train-questions 200 --steps 20  # smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
+from rag_jax.evaluation.tables import table
+
+INSTRUCTION = "Given a question, retrieve Wikipedia passages that answer the question"
+KS = (1, 5, 20)
+
+
+@dataclasses.dataclass
+class NQSplit:
+    """Held-out and training questions over the gold-passage pool (indices into ``texts``)."""
+
+    texts: list[str]                # every pool passage, "{title}\n{text}"
+    questions: list[str]            # every question
+    answers: list[tuple[str, ...]]
+    gold: list[int]                 # question -> pool index of its gold passage
+    heldout: list[int]              # held-out question indices
+    train: list[int]                # training question indices
+    corpus: list[int]               # pool indices searched at evaluation (held-out golds first)
+
+
+def split_nq(examples, *, eval_questions: int, train_questions: int, pool: int, seed: int) -> NQSplit:
+    """Seeded split: the first ``eval_questions`` of a permutation are held out, the next ``train_questions``
+    whose gold passage is no held-out question's train; the corpus is the held-out gold passages plus random
+    other pool passages, ``pool`` in all.
+
+    Raises:
+      ValueError: more questions or passages asked for than the data has, or a pool smaller than the held-out
+        gold passages.
+    """
+    passages, gold = nq_passage_pool(examples)
+    if eval_questions < 1 or train_questions < 1 or eval_questions + train_questions > len(examples):
+        raise ValueError(f"eval_questions={eval_questions} + train_questions={train_questions} must be >= 1 each "
+                         f"and at most the {len(examples)} questions")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(examples)).tolist()
+    heldout = order[:eval_questions]
+    golds = list(dict.fromkeys(gold[i] for i in heldout))
+    train = [i for i in order[eval_questions:] if gold[i] not in set(golds)][:train_questions]
+    if not len(golds) <= pool <= len(passages):
+        raise ValueError(f"pool={pool} must be in [{len(golds)} held-out gold passages, {len(passages)} passages]")
+    others = [j for j in rng.permutation(len(passages)).tolist() if j not in set(golds)]
+    return NQSplit([f"{p.title}\n{p.text}" for p in passages], [ex.question for ex in examples],
+                   [ex.answers for ex in examples], gold, heldout, train, golds + others[:pool - len(golds)])
+
+
+def recall(scores: np.ndarray, gold: Sequence[int], ks: Sequence[int] = KS) -> dict[str, float]:
+    """recall@k (one gold column per row) of the descending ``scores [queries, corpus]`` ranking, per k."""
+    from rag_jax.metrics import recall_at_k
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :max(ks)]
+    return {f"recall@{k}": recall_at_k(order, [[g] for g in gold], k) for k in ks}
+
+
+def hard_negatives(scores: np.ndarray, gold: Sequence[int], excluded: Sequence[set[int]], n: int) -> list[list[int]]:
+    """Per row of ``scores [queries, passages]``: the ``n`` best-scored passages other than ``gold[i]`` and
+    ``excluded[i]`` (passages that contain an answer), best first.
+
+    Raises:
+      ValueError: a row has fewer than ``n`` candidates left.
+    """
+    out = []
+    for i, row in enumerate(np.argsort(-scores, axis=1, kind="stable")):
+        picked = [int(j) for j in row if j != gold[i] and j not in excluded[i]][:n]
+        if len(picked) < n:
+            raise ValueError(f"query {i} has only {len(picked)} hard-negative candidates, {n} needed")
+        out.append(picked)
+    return out
+
+
+def oracle_prompt(question: str, passage: str) -> str:
+    """The user message of the demo's RAG prompt (``rag_jax.demo.real_model``) with one passage."""
+    from rag_jax.demo.real_model import INSTRUCTION as ANSWER_INSTRUCTION, PASSAGE, QUESTION
+    return ANSWER_INSTRUCTION + PASSAGE.format(text=passage.strip()) + QUESTION.format(question=question)
+
+
+def with_inputs_embeds(batch: dict[str, np.ndarray], frozen) -> dict[str, np.ndarray]:
+    """A GRIT batch plus the frozen bottom's ``{query,passage,gen}_inputs_embeds`` for the streams it has."""
+    modes = {"query": "bidirectional", "passage": "bidirectional", "gen": "causal"}
+    out = dict(batch)
+    for side, mode in modes.items():
+        if f"{side}_tokens" in batch:
+            out[f"{side}_inputs_embeds"] = frozen.inputs_embeds(mode, batch[f"{side}_tokens"],
+                                                                batch[f"{side}_attention_mask"])
+    return out
+
+
+# Arguments that define a tuned model (its run folder name hashes them; another recipe trains a new one).
+RECIPE_ARGS = ("model", "data", "eval_questions", "train_questions", "gen_train", "seed", "instruction", "query_len",
+               "passage_len", "gen_len", "gen_context_words", "gen_targets", "max_new_tokens", "negatives",
+               "top_layers", "steps", "batch_size", "group_size", "gen_batch_size", "lr", "warmup", "temperature",
+               "gen_factor")
+
+
+def train_top(args, mode: str, top, frozen, emb_records, gen_records, tokenizer, fmt, data_cfg, gen_window: int):
+    """Train the top model in GRIT ``mode`` in the run folder ``<cache-dir>/top_<mode>_<recipe hash>`` (a finished
+    run is loaded, not retrained) -> ``(trained top params, TrainResult)``."""
+    import hashlib
+
+    from rag_jax import sharding
+    from rag_jax.data.grit import grit_batches
+    from rag_jax.train import checkpoint, optim, trainer
+    from rag_jax.train.frozen_bottom import TOP_TRAINABLE
+    from rag_jax.train.objectives.grit import GritConfig, GritLoss
+
+    recipe = {k: str(getattr(args, k)) for k in RECIPE_ARGS}
+    run_dir = args.cache_dir / f"top_{mode}_{hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]}"
+    batches = grit_batches(emb_records, gen_records if mode == "unified" else None, tokenizer, data_cfg, fmt)
+    loss_fn = GritLoss(GritConfig(mode=mode, temperature=args.temperature, loss_gen_factor=args.gen_factor,
+                                  gen_window=gen_window))
+    run_cfg = trainer.RunConfig(
+        model=top.config, mesh=sharding.MeshConfig(data=1, fsdp=-1, tensor=1),
+        optimizer=optim.OptimizerConfig(learning_rate=args.lr, warmup_steps=args.warmup, weight_decay=0.0,
+                                        trainable=TOP_TRAINABLE),
+        train=trainer.TrainConfig(steps=args.steps, seed=args.seed, log_every=max(1, args.steps // 10),
+                                  run_dir=str(run_dir)),
+        checkpoint=checkpoint.CheckpointConfig(save_every=args.steps, keep=1, async_save=False),
+        logging=trainer.LoggingConfig(tensorboard=False))
+    task = trainer.Task(loss_fn, lambda step: with_inputs_embeds(next(batches), frozen), name=f"GRIT {mode}",
+                        progress_keys=("loss_rep", "loss_gen", "rep_accuracy"))
+    result = trainer.run(run_cfg, task, init_params=nnx.state(top, nnx.Param),
+                         extra_config={"grit_pretrained": {"mode": mode, **recipe}})
+    return result.state.params, result
+
+
+def answers(loaded, model, pairs: Sequence[tuple[str, str]], args) -> list[str]:
+    """Greedy replies of ``model`` (with ``loaded``'s tokenizer and chat template) to the demo's RAG prompt with one
+    passage, per ``(question, passage)`` (``rag_jax.demo.real_model.ChatBlocks``, full attention; prompts of
+    similar length are batched together)."""
+    from rag_jax.demo.real_model import ChatBlocks
+    from rag_jax.evaluation.rag import generate_answers
+    from rag_jax.inference.block_attention import BlockAttention
+
+    chat = ChatBlocks(loaded)
+    prompts = [chat.blocks(q, [passage]) for q, passage in pairs]
+    order = np.argsort([sum(map(len, b)) for b in prompts], kind="stable")
+    preds = generate_answers(BlockAttention(model), loaded.tokenizer, [prompts[i] for i in order], mode="full",
+                             max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size, eos_id=loaded.eos_ids)
+    out = [""] * len(prompts)
+    for i, pred in zip(order, preds):
+        out[i] = pred
+    return out
+
+
+def base_targets(loaded, pairs: Sequence[tuple[str, str]], args) -> list[str]:
+    """The base model's own greedy replies to the generative training prompts (``--gen-targets base``), kept in
+    ``<cache-dir>/base_replies.json`` (keyed by model, prompt and length) so a rerun does not regenerate them."""
+    from rag_jax.atomic import write_text
+
+    path = args.cache_dir / "base_replies.json"
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    key = lambda q, passage: json.dumps([args.model, args.max_new_tokens, q, passage])  # noqa: E731
+    todo = [pair for pair in pairs if key(*pair) not in cache]
+    if todo:
+        cache.update({key(*pair): reply for pair, reply in zip(todo, answers(loaded, loaded.model, todo, args))})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps(cache, indent=0))
+    return [cache[key(*pair)] for pair in pairs]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rag-jax eval grit_pretrained", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded name, .gguf file or HF folder")
+    p.add_argument("--data", type=Path, default=shared_file(*NQ_ORACLE))
+    p.add_argument("--eval-questions", type=int, default=100, help="held-out questions (retrieval and EM)")
+    p.add_argument("--train-questions", type=int, default=500)
+    p.add_argument("--gen-train", type=int, default=200, help="training questions that also give a generative row")
+    p.add_argument("--pool", type=int, default=1000, help="passages searched at evaluation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--instruction", default=INSTRUCTION, help="query instruction (passages get none)")
+    p.add_argument("--query-len", type=int, default=48, help="query tokens incl. the instruction and format")
+    p.add_argument("--passage-len", type=int, default=64, help="passage tokens incl. the format prefix")
+    p.add_argument("--gen-len", type=int, default=192, help="generative row tokens (chat template included)")
+    p.add_argument("--gen-context-words", type=int, default=48, help="passage words around the answer per row")
+    p.add_argument("--gen-targets", choices=("base", "gold"), default="base",
+                   help="generative responses: the base model's own replies (keeps its generation) or the gold answers")
+    p.add_argument("--negatives", type=int, default=4, help="base-model hard negatives kept per training query")
+    p.add_argument("--top-layers", type=int, default=2, help="top decoder layers trained (+ final norm)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=16, help="queries per step (in-batch negatives)")
+    p.add_argument("--group-size", type=int, default=2, help="passages per query: positive + hard negatives")
+    p.add_argument("--gen-batch-size", type=int, default=4, help="generative rows per step (unified)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--temperature", type=float, default=0.02)
+    p.add_argument("--gen-factor", type=float, default=1.0, help="lambda_Gen")
+    p.add_argument("--modes", default="unified,embedding", help="tuned models: unified, embedding")
+    p.add_argument("--em-questions", type=int, default=None, help="held-out questions for EM (default all; 0 = no EM)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--em-batch-size", type=int, default=16)
+    p.add_argument("--no-minilm", action="store_true")
+    p.add_argument("--cache-dir", type=Path, default=Path("runs/grit_pretrained"),
+                   help="frozen-bottom features (bottom<layers>.npz) and tuned-model run folders, reused when present")
+    p.add_argument("--out", type=Path, default=None, help="JSON results")
+    args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if any(m not in ("unified", "embedding") for m in modes):
+        p.error(f"--modes={args.modes!r}: valid entries are unified, embedding")
+    if not args.data.is_file():
+        p.error(f"--data {args.data}: NQ oracle file not found")
+
+    from rag_jax.data.grit import ChatGritFormat, GritDataConfig, tokenize_generative_record
+    from rag_jax.evaluation.grit_eval import answer_window
+    from rag_jax.evaluation.timing import StageTimer
+    from rag_jax.metrics import best_subspan_em
+    from rag_jax.model.embedding import tokenize_for_embedding
+    from rag_jax.model.load import load_model
+    from rag_jax.train.frozen_bottom import FrozenBottom, merge_top, split_model
+
+    timer = StageTimer()
+    split = split_nq(load_nq_oracle(args.data), eval_questions=args.eval_questions,
+                     train_questions=args.train_questions, pool=args.pool, seed=args.seed)
+    loaded = load_model(args.model)
+    fmt = ChatGritFormat.from_loaded(loaded)
+    tok = loaded.tokenizer
+    train_passages = list(dict.fromkeys(split.gold[i] for i in split.train))
+    def embed_rows(texts, instruction, max_len):  # the token ids GritEmbedder and the GRIT batches will use
+        return [tokenize_for_embedding(tok, t, instruction, max_len=max_len, fmt=fmt) for t in texts]
+
+    rows = {"train_q": embed_rows([split.questions[i] for i in split.train], args.instruction, args.query_len),
+            "heldout_q": embed_rows([split.questions[i] for i in split.heldout], args.instruction, args.query_len),
+            "train_p": embed_rows([split.texts[j] for j in train_passages], "", args.passage_len),
+            "corpus": embed_rows([split.texts[j] for j in split.corpus], "", args.passage_len)}
+    pairs = [(split.questions[i], answer_window(split.texts[split.gold[i]], split.answers[i][0],
+                                                 args.gen_context_words)) for i in split.train[:args.gen_train]]
+    targets = ([split.answers[i][0] for i in split.train[:args.gen_train]] if args.gen_targets == "gold"
+               else base_targets(loaded, pairs, args))
+    timer.stage("generative targets")
+    gen_records = [{"text": [oracle_prompt(q, context), t]} for (q, context), t in zip(pairs, targets) if t.strip()]
+    gen_rows = [tokenize_generative_record(r, tok, args.gen_len, fmt, i) for i, r in enumerate(gen_records)]
+    # Batches padded to the longest row of each kind, not to the caps (every padded token costs compute).
+    longest = lambda group: max(len(ids) for ids, _ in group)  # noqa: E731
+    data_cfg = GritDataConfig(embedding_batch_size=args.batch_size, generative_batch_size=args.gen_batch_size,
+                              group_size=args.group_size, query_max_len=longest(rows["train_q"]),
+                              passage_max_len=longest(rows["train_p"]),
+                              generative_max_len=max(int(r["gen_attention_mask"].sum()) for r in gen_rows),
+                              seed=args.seed)
+    # Logits on each row's last `gen_window` tokens: from the token before its first target to its end.
+    gen_window = max(int(r["gen_attention_mask"].sum() - np.flatnonzero(r["gen_loss_mask"]).min() + 1)
+                     for r in gen_rows)
+    print(f"NQ: {len(split.train)} training questions ({len(train_passages)} gold passages, {len(gen_rows)} "
+          f"generative rows), {len(split.heldout)} held-out, corpus {len(split.corpus)} passages; "
+          f"{args.model}: top {args.top_layers} of {loaded.config.num_layers} layers trained", flush=True)
+    timer.stage("data")
+
+    bottom, top = split_model(loaded.model, args.top_layers)
+    n_bottom = loaded.config.num_layers - args.top_layers
+    frozen = FrozenBottom(bottom, fingerprint=f"{loaded.source}|bottom={n_bottom}")
+    cache = args.cache_dir / f"bottom{n_bottom}.npz"
+    if cache.is_file():
+        frozen.load(cache)
+    before = len(frozen)
+    for name, group in rows.items():
+        frozen.precompute("bidirectional", [ids for ids, _ in group], desc=f"frozen bottom: {name}")
+    frozen.precompute("causal", [r["gen_tokens"][:int(r["gen_attention_mask"].sum())] for r in gen_rows],
+                      desc="frozen bottom: generative rows")
+    if len(frozen) > before:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        frozen.save(cache)
+    del bottom
+    timer.stage("frozen bottom")
+
+    top_graphdef, base_params = nnx.split(top)
+    heldout_gold = [split.corpus.index(split.gold[i]) for i in split.heldout]
+    results: dict[str, dict] = {}
+
+    def embed(params, questions: Sequence[int], passages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """GRIT embeddings (the top model on the cached bottom output) of questions and pool passages."""
+        from rag_jax.model.embedding import GritEmbedder
+        common = dict(fmt=fmt, inputs_embeds=lambda t, m: frozen.inputs_embeds("bidirectional", t, m))
+        q = GritEmbedder((top_graphdef, params), tok, instruction=args.instruction, max_length=args.query_len,
+                         **common).embed([split.questions[i] for i in questions])
+        return q, GritEmbedder((top_graphdef, params), tok, max_length=args.passage_len,
+                               **common).embed([split.texts[j] for j in passages])
+
+    def evaluate(name: str, params) -> None:
+        q, c = embed(params, split.heldout, split.corpus)
+        results[name] = recall(q @ c.T, heldout_gold)
+        print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[name].items()), flush=True)
+
+    evaluate("base", base_params)
+    # Hard negatives mined with the base model among the training gold passages.
+    q, c = embed(base_params, split.train, train_passages)
+    pos = {j: n for n, j in enumerate(train_passages)}
+    excluded = [{n for n, j in enumerate(train_passages) if best_subspan_em(split.texts[j], split.answers[i])}
+                for i in split.train]
+    negs = hard_negatives(q @ c.T, [pos[split.gold[i]] for i in split.train], excluded, args.negatives)
+    emb_records = [{"query": [args.instruction, split.questions[i]], "pos": [split.texts[split.gold[i]]],
+                    "neg": [split.texts[train_passages[n]] for n in neg]} for i, neg in zip(split.train, negs)]
+    timer.stage("base retrieval")
+
+    tuned = {}
+    for mode in modes:
+        tuned[mode], res = train_top(args, mode, top, frozen, emb_records, gen_records, tok, fmt, data_cfg,
+                                     gen_window)
+        evaluate(mode, tuned[mode])
+        last = res.history[-1] if res.history else {}
+        results[mode].update(train_s=last.get("elapsed_s", float("nan")), step_s=last.get("step_time_s", float("nan")),
+                             **{k: last[k] for k in ("loss_rep", "loss_gen", "rep_accuracy") if k in last})
+        timer.stage(f"train {mode}")
+
+    if not args.no_minilm:
+        from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+        minilm = BertEmbedder()
+        qv = embed_texts(minilm, [split.questions[i] for i in split.heldout], desc="MiniLM questions")
+        cv = embed_texts(minilm, [split.texts[j] for j in split.corpus], desc="MiniLM passages")
+        results["minilm"] = recall(qv @ cv.T, heldout_gold)
+        timer.stage("minilm")
+
+    em_questions = split.heldout[:args.em_questions]
+    for name in ["base", *(["unified"] if "unified" in modes else [])] if em_questions else []:
+        model = loaded.model if name == "base" else merge_top(loaded.model, tuned[name])
+        preds = answers(loaded, model, [(split.questions[i], split.texts[split.gold[i]]) for i in em_questions], args)
+        results[name]["oracle_em"] = float(np.mean([best_subspan_em(pr, split.answers[i])
+                                                    for pr, i in zip(preds, em_questions)]))
+        results[name]["predictions"] = preds
+        print(f"  {name}: oracle best-subspan EM {results[name]['oracle_em']:.3f} ({len(em_questions)} questions)",
+              flush=True)
+        timer.stage(f"EM {name}")
+
+    cols = [f"recall@{k}" for k in KS] + ["oracle_em"]
+    print(f"\n# GRIT on {args.model}: {len(split.heldout)} held-out NQ questions, corpus {len(split.corpus)} passages "
+          f"(SmolLM2: first {args.passage_len} tokens; MiniLM: 256), oracle EM on {len(em_questions)}")
+    print(table(["model", *cols], [[n, *(r.get(c, "-") for c in cols)] for n, r in results.items()]))
+    if {"unified", "embedding"} <= set(results):
+        u, e, b = results["unified"], results["embedding"], results["base"]
+        print(f"unified - embedding-only recall@5: {100 * (u['recall@5'] - e['recall@5']):+.1f} points; "
+              f"unified - base recall@5: {100 * (u['recall@5'] - b['recall@5']):+.1f}")
+    if "oracle_em" in results.get("unified", {}):
+        print(f"unified - base oracle EM: {100 * (results['unified']['oracle_em'] - results['base']['oracle_em']):+.1f}"
+              " points")
+    print("stages (wall s): " + ", ".join(f"{k} {v:.0f}" for k, v in timer.wall.items()))
+    if args.out is not None:
+        from rag_jax.atomic import write_text
+        write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                                         "stages_s": timer.wall}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""Helpers of ``rag-jax eval grit_pretrained``: the NQ split (no gold passage shared between held-out and training
+questions), base-model hard negatives and recall@k vs brute-force references."""
+import numpy as np
+import pytest
+
+from rag_jax.data.loaders import NQExample, Passage
+from rag_jax.evaluation.grit_pretrained import hard_negatives, recall, split_nq
+
+
+def _examples(n=60, passages=25, seed=0):
+    rng = np.random.default_rng(seed)
+    gold = rng.integers(0, passages, n)  # several questions share a gold passage
+    return [NQExample(f"q{i}", (f"a{i}",), (Passage(f"t{g}", f"text {g}", True, True),)) for i, g in enumerate(gold)]
+
+
+def test_split_disjoint_gold_passages_and_corpus():
+    ex = _examples()
+    s = split_nq(ex, eval_questions=10, train_questions=20, pool=18, seed=3)
+    held_gold = {s.gold[i] for i in s.heldout}
+    assert len(s.heldout) == 10 and not set(s.heldout) & set(s.train)
+    assert all(s.gold[i] not in held_gold for i in s.train)
+    assert len(s.corpus) == len(set(s.corpus)) == 18 and held_gold <= set(s.corpus)
+    assert s.corpus[:len(held_gold)] == list(dict.fromkeys(s.gold[i] for i in s.heldout))
+    assert [s.texts[s.gold[i]] for i in s.heldout] == [f"t{ex[i].gold.text[5:]}\n{ex[i].gold.text}" for i in s.heldout]
+    assert split_nq(ex, eval_questions=10, train_questions=20, pool=18, seed=3) == s  # seeded
+    with pytest.raises(ValueError, match="pool=3"):
+        split_nq(ex, eval_questions=10, train_questions=20, pool=3, seed=3)
+
+
+def test_hard_negatives_and_recall_vs_brute_force():
+    rng = np.random.default_rng(4)
+    scores = rng.standard_normal((7, 12))
+    gold = rng.integers(0, 12, 7).tolist()
+    excluded = [set(rng.choice(12, 3, replace=False).tolist()) for _ in range(7)]
+    got = hard_negatives(scores, gold, excluded, 4)
+    for i in range(7):
+        ref = [j for j in sorted(range(12), key=lambda j: -scores[i, j]) if j != gold[i] and j not in excluded[i]][:4]
+        assert got[i] == ref
+    with pytest.raises(ValueError, match="only"):
+        hard_negatives(scores, gold, [set(range(12)) - {0}] * 7, 1)
+    r = recall(scores, gold, ks=(1, 3))
+    rank = [int((scores[i] > scores[i, gold[i]]).sum()) for i in range(7)]
+    assert r == {"recall@1": np.mean([x < 1 for x in rank]), "recall@3": np.mean([x < 3 for x in rank])}
