@@ -42,7 +42,8 @@ from rag_jax.memory.event_retrieval import ContiguityBuffer, merge_temporal, ret
 from rag_jax.memory.event_store import DeviceEventCache, EventStore, representative_vectors
 from rag_jax.memory.refinement import key_similarity
 from rag_jax.memory.segmentation import EventSegmenter, surprise_from_logits
-from rag_jax.model import Transformer, apply_rope, attend_joint, build_mask
+from rag_jax.model import Transformer, apply_rope, build_mask
+from rag_jax.model.blockwise import MASK_VALUE
 
 
 @flax.struct.dataclass
@@ -65,14 +66,42 @@ class LayerBuffers:
 
 
 def _joint_attention_and_local_mass(groups, q_ok, n_valid):
-    """``attend_joint(groups)``, the attention mass each key of ``groups[0]`` receives, summed over the
-    valid queries: float32 ``[num_heads, kv_len_0]`` (InfLLM/EM-LLM representative scores, note §4.2), and the
-    weights of the last valid query over every key of every group: float32 ``[num_heads, sum(kv_len_i)]``."""
-    out, weights = attend_joint(groups, return_weights=True)
-    last = jnp.take(weights[0], n_valid - 1, axis=2)                                # [kvh, g, k]
-    local = weights[..., :groups[0][1].shape[1]]                                    # [1, kvh, g, q, k0]
-    mass = jnp.einsum("bhgqk,q->hgk", local, q_ok.astype(jnp.float32))
-    return out, mass.reshape(-1, mass.shape[-1]), last.reshape(-1, last.shape[-1])
+    """One softmax over every group's keys (``attend_joint``'s dense reference, batch 1), the attention mass each
+    key of ``groups[0]`` receives summed over the valid queries, and the last valid query's weights.
+
+    Args:
+      groups: ``[(q, k, v, mask), ...]``: q ``[1, q_len, num_heads, head_dim]`` (rotated), k / v
+        ``[1, kv_len_i, num_kv_heads, head_dim]`` (k rotated), mask bool ``[1, q_len, kv_len_i]``.
+      q_ok: bool ``[q_len]`` valid queries; n_valid: their number (the first ``n_valid``).
+
+    Returns:
+      ``out [1, q_len, num_heads, head_dim]`` (q's dtype; a query row with no visible key gets finite garbage),
+      ``mass`` float32 ``[num_heads, kv_len_0]`` (InfLLM/EM-LLM representative scores, note §4.2) and ``last``
+      float32 ``[num_heads, sum(kv_len_i)]``.
+
+    Query heads of one KV head and the queries share the matmul rows (``[kv_heads, group * q_len, ...]``) and
+    keys are laid out ``[kv_heads, kv_len, head_dim]``: ~1.5x faster on CPU than ``attend_joint``'s layout.
+    """
+    _, q_len, num_heads, head_dim = groups[0][0].shape
+    kv_heads = groups[0][1].shape[2]
+    group = num_heads // kv_heads
+    rows = lambda q: q[0].reshape(q_len, kv_heads, group, head_dim).transpose(1, 2, 0, 3).reshape(  # noqa: E731
+        kv_heads, group * q_len, head_dim)
+    heads_first = lambda x: x[0].transpose(1, 0, 2)  # noqa: E731
+    logits = jnp.concatenate([jnp.einsum("hqd,hkd->hqk", rows(q), heads_first(k), preferred_element_type=jnp.float32)
+                              for q, k, _, _ in groups], axis=-1) * head_dim ** -0.5
+    mask = jnp.tile(jnp.concatenate([m[0] for *_, m in groups], axis=-1), (group, 1))
+    logits = jnp.where(mask, logits, MASK_VALUE)
+    weights = jnp.exp(logits - logits.max(-1, keepdims=True))
+    weights = weights / weights.sum(-1, keepdims=True)                      # [kvh, g * q, k]
+    v = jnp.concatenate([heads_first(v) for _, _, v, _ in groups], axis=1)
+    out = jnp.einsum("hqk,hkd->hqd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out.reshape(kv_heads, group, q_len, head_dim).transpose(2, 0, 1, 3).reshape(1, q_len, num_heads, head_dim)
+    k0 = groups[0][1].shape[1]
+    ok = jnp.tile(q_ok.astype(jnp.float32), group)[None, :, None]
+    mass = (weights[:, :, :k0] * ok).reshape(kv_heads, group, q_len, k0).sum(2).reshape(num_heads, k0)
+    last = weights.reshape(kv_heads, group, q_len, -1)[:, :, n_valid - 1].reshape(num_heads, -1)
+    return out.astype(groups[0][0].dtype), mass, last
 
 
 @flax.struct.dataclass
