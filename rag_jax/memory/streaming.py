@@ -205,17 +205,25 @@ def _start(model_def, layer_def, n_local, model_leaves, layer_leaves, tokens, n_
 
 def _step(model_def, layer_def, n_local, positions, use_memory, layer_leaves, next_leaves, model_leaves, buf,
           cache_k, cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len, labels):
-    """``_attend`` for one layer, then under the same jit either the next layer's projection (``next_leaves``):
-    ``(buf, last_weights, (x, q, k, v, q_mean))``, or for the last layer the head (``model_leaves``): logits
-    ``[q_len, vocab]`` and surprise ``-log p(label)`` ``[q_len]``: ``(buf, last_weights, (logits, surprise))``.
+    """``_attend`` for one layer, then under the same jit:
+
+    - ``next_leaves`` given: the next layer's projection, ``(buf, last_weights, (x, q, k, v, q_mean))``;
+    - last layer, ``model_leaves`` given: the head, ``(buf, last_weights, (logits [q_len, vocab], surprise))`` with
+      surprise ``-log p(label)`` ``[q_len]`` when ``labels`` (int32 ``[1, q_len]``) is given, else None;
+    - last layer, no ``model_leaves``: no head (prefill chunks that need neither logits nor surprise),
+      ``(buf, last_weights, None)``.
+
     One dispatch and one host round trip (the retrieval query) per layer."""
     x, buf, last_weights = _attend(_merge(layer_def, layer_leaves), n_local, positions, use_memory, buf, cache_k,
                                    cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len)
     if next_leaves is not None:
         return buf, last_weights, (x, *_project(_merge(layer_def, next_leaves), x, n_valid, n_local, inv_freq))
+    if model_leaves is None:
+        return buf, last_weights, None
     model = _merge(model_def, model_leaves)
     logits = model.logits(model.final_norm(x))
-    return buf, last_weights, (logits[0], surprise_from_logits(logits, labels)[0])
+    surprise = None if labels is None else surprise_from_logits(logits, labels)[0]
+    return buf, last_weights, (logits[0], surprise)
 
 
 @functools.lru_cache(maxsize=16)
@@ -364,7 +372,7 @@ class EMLLM:
         body = tokens[:-1]
         for st in range(0, len(body), self.cfg.chunk_size):
             chunk = body[st:st + self.cfg.chunk_size]
-            logits = self._process(chunk, tokens[st + 1:st + 1 + len(chunk)])
+            logits = self._process(chunk, tokens[st + 1:st + 1 + len(chunk)], head=return_all_logits)
             if return_all_logits:
                 collected.append(np.asarray(logits)[:len(chunk)])
         last = self.step(int(tokens[-1]))
@@ -375,7 +383,7 @@ class EMLLM:
     def step(self, token: int) -> np.ndarray:
         """Decode one token (no surprise boundary, as the reference's decode path); float32 logits ``[vocab]``."""
         tokens = self._check_tokens([token])
-        return np.asarray(self._process(tokens, None))[0]
+        return np.asarray(self._process(tokens, None, head=True))[0]
 
     def generate(self, prompt, max_new_tokens: int, eos_id: int | Sequence[int] | None = None) -> list[int]:
         """Greedy generation after ``prompt`` (int ``[seq]``); returns up to ``max_new_tokens`` ids, stopping
@@ -410,18 +418,22 @@ class EMLLM:
         return arr.astype(np.int32)
 
     # ------------------------------------------------------------------ one chunk
-    def _process(self, tokens: np.ndarray, labels: np.ndarray | None):
+    def _process(self, tokens: np.ndarray, labels: np.ndarray | None, head: bool):
         """Run one chunk (``len(tokens) <= chunk_size``) through all layers, then update memory.
 
         Per layer one jit (``_step``: this layer's attention and MLP, then the next layer's projection) and one
         host round trip: the retrieval query comes back, the host picks and loads events (``_plan_memory``).
+        ``labels`` (the next tokens; None on the decode path) give the surprise; the head runs when surprise
+        segmentation needs it or ``head`` asks for the logits ``[q_len, vocab]`` (returned; else None).
         """
         cfg, n = self.cfg, len(tokens)
         q_len = 1 if n == 1 else cfg.chunk_size
         padded = np.zeros(q_len, np.int32)
         padded[:n] = tokens
-        label_arr = np.zeros((1, q_len), np.int32)
-        if labels is not None:
+        surprise_needed = labels is not None and cfg.memory and cfg.segmentation == "surprise"
+        label_arr = None
+        if surprise_needed:
+            label_arr = np.zeros((1, q_len), np.int32)
             label_arr[0, :n] = labels
         seg, params = self.segmenter, self._params
         start, init_len = np.int32(seg.fill), np.int32(seg.init_len)
@@ -431,16 +443,18 @@ class EMLLM:
             plan = self._plan_memory(layer, q_mean, n)
             last = layer == num_layers - 1
             self.buffers[layer], last_weights, out = self._step(
-                params.layers[layer], None if last else params.layers[layer + 1], params.model if last else None,
-                self.buffers[layer], self.cache.k[layer], self.cache.v[layer], x, q, k, v, self._inv_freq, plan,
-                start, np.int32(n), init_len, label_arr if last else None)
+                params.layers[layer], None if last else params.layers[layer + 1],
+                params.model if last and (head or surprise_needed) else None, self.buffers[layer],
+                self.cache.k[layer], self.cache.v[layer], x, q, k, v, self._inv_freq, plan, start, np.int32(n),
+                init_len, label_arr)
             if self.diagnose:
                 self.attention[layer] = (self._key_positions(layer, int(start), n), np.asarray(last_weights))
-            if last:
-                logits, surprise = out
-            else:
+            if not last:
                 x, q, k, v, q_mean = out
-        self._update_memory(n, None if labels is None else np.asarray(surprise)[:n])
+        logits, surprise = out if out is not None else (None, None)
+        if labels is not None:      # prefill: boundaries (uniform ones or from surprise); decode: none
+            surprise = np.asarray(surprise)[:n] if surprise_needed else np.zeros(n, np.float32)
+        self._update_memory(n, surprise)
         return logits
 
     def _key_positions(self, layer: int, start: int, n: int) -> np.ndarray:
