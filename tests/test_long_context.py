@@ -3,6 +3,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from rag_jax.data.tokenizer import byte_tokenizer
@@ -82,3 +83,11 @@ def test_long_context_run_and_table(tmp_path: Path):
         line = next(x for x in table.splitlines() if x.startswith(f"| {m} "))
         hits = [int(r["correct"]) for r in rows if r["method"] == m]
         assert f"{hits[0]}/1" in line and (m == "full" or f"{hits[1]}/1" in line)
+    # Resume: every row is done, nothing runs again; the plot is written.
+    again = long_context.run(loaded, methods, [300, 600], 1, "repeat", base, infllm_block=16, max_new_tokens=3,
+                             log=lambda *_: None, done=rows, on_row=lambda _: pytest.fail("re-ran a finished row"))
+    assert again["results"] == rows
+    assert long_context.accuracy(report)["em_llm"] == {300: (int(rows[0]["correct"]), 1),
+                                                       600: (int(rows[len(methods)]["correct"]), 1)}
+    png = Path(long_context.plot(report, tmp_path / "acc.png"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

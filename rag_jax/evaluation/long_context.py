@@ -142,28 +142,39 @@ def diagnose(loaded, cfg: EMLLMConfig, ids: np.ndarray, key_tokens: np.ndarray, 
 
 
 def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, infllm_block: int = 128,
-        seed: int = 0, max_new_tokens: int = 8, with_diagnostics: bool = False, log=print) -> dict:
+        seed: int = 0, max_new_tokens: int = 8, with_diagnostics: bool = False, log=print, done=(),
+        on_row=None) -> dict:
     """Evaluate; returns ``{"results": [{method, length, depth, key, reply, correct, tokens, seconds,
-    diagnostics?}], ...}``. ``full`` is skipped past ``loaded.config.max_seq_len``."""
+    diagnostics?}], ...}``. ``full`` is skipped past ``loaded.config.max_seq_len``.
+
+    The prompts of a length depend only on ``(seed, length, samples)``, so runs over other lengths or methods
+    reuse them; ``done`` (rows of an earlier report) are kept and not run again (resume), and ``on_row(report)``
+    is called after every new row (checkpoints).
+    """
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"method={m!r}; valid: {METHODS}")
-    rng = np.random.default_rng(seed)
     sentences = filler_sentences(filler, seed)
     tok = loaded.tokenizer
     cache: dict = {}
-    results = []
+    results = list(done)
+    finished = {(r["method"], r["length"], r["depth"], r["key"]) for r in results}
+    report = {"filler": filler, "em_config": base.to_dict(), "infllm_block": infllm_block, "results": results}
     for length in lengths:
+        rng = np.random.default_rng([seed, length])
         prompts = []
         for i in range(samples):
             key = str(rng.integers(10000, 100000))
             depth = (i + 0.5) / samples
-            prompts.append((depth, key, *passkey_prompt(loaded, sentences, length, depth, key)))
+            if any((m, length, depth, key) not in finished for m in methods):
+                prompts.append((depth, key, *passkey_prompt(loaded, sentences, length, depth, key)))
         for method in methods:
             if method == "full" and length > loaded.config.max_seq_len:
                 continue
             cfg = None if method == "full" else method_config(method, base, length, infllm_block)
             for depth, key, ids, key_tokens in prompts:
+                if (method, length, depth, key) in finished:
+                    continue
                 t0 = time.perf_counter()
                 if cfg is None:
                     out = _full_generate(loaded, ids, max_new_tokens)
@@ -180,19 +191,37 @@ def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, 
                 results.append(row)
                 log(f"  {method:18s} {len(ids):>6d} tok depth {depth:.2f}: {'ok ' if row['correct'] else 'no '}"
                     f"{reply!r} ({seconds:.0f} s)")
-    return {"filler": filler, "em_config": base.to_dict(), "infllm_block": infllm_block, "results": results}
+                if on_row is not None:
+                    on_row(report)
+    return report
+
+
+def accuracy(report: dict) -> dict[str, dict[int, tuple[int, int]]]:
+    """``{method: {length: (correct, prompts)}}`` in first-seen method order, lengths ascending."""
+    out: dict = {}
+    for r in sorted(report["results"], key=lambda r: r["length"]):
+        hit, total = out.setdefault(r["method"], {}).get(r["length"], (0, 0))
+        out[r["method"]][r["length"]] = (hit + bool(r["correct"]), total + 1)
+    return out
+
+
+def plot(report: dict, path: Path) -> str:
+    """Accuracy vs length per method (PNG at ``path``)."""
+    from rag_jax.demo.report import line_plot
+
+    series = [(list(acc), [100.0 * h / n for h, n in acc.values()], method)
+              for method, acc in accuracy(report).items()]
+    return line_plot(path, series, xlabel="prompt length (tokens)", ylabel="passkey accuracy (%)",
+                     title=f"Passkey ({report['filler']} filler), {report.get('model', '')}", style="o-")
 
 
 def summary_table(report: dict) -> str:
     """Accuracy (correct/prompts) per method and length, and the median prompt tokens/s per method."""
-    rows, lengths = report["results"], sorted({r["length"] for r in report["results"]})
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    rows, acc = report["results"], accuracy(report)
+    lengths = sorted({r["length"] for r in rows})
     out = []
-    for m in methods:
-        cells = []
-        for n in lengths:
-            hit = [r["correct"] for r in rows if r["method"] == m and r["length"] == n]
-            cells.append(f"{sum(hit)}/{len(hit)}" if hit else "-")
+    for m, per_length in acc.items():
+        cells = [f"{per_length[n][0]}/{per_length[n][1]}" if n in per_length else "-" for n in lengths]
         speed = [r["tokens"] / r["seconds"] for r in rows if r["method"] == m]
         out.append([m, *cells, float(np.median(speed))])
     return table(["method", *(f"{n:,}" for n in lengths), "median tok/s (incl. decode)"], out, floatfmt=",.0f")
@@ -211,19 +240,38 @@ def main(argv=None) -> int:
     p.add_argument("--infllm-block", type=int, default=64, help="InfLLM fixed block size in tokens")
     p.add_argument("--diagnose", action="store_true", help="per-layer key retrieval and attention mass")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the report as JSON here (after every prompt) and the accuracy plot beside it (.png)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows of an existing --out (same filler and settings) and run only the missing ones")
     args = p.parse_args(argv)
+    from rag_jax.atomic import write_text
     from rag_jax.model.load import load_model
 
     loaded = load_model(args.model)
     if loaded.tokenizer is None:
         p.error(f"--model {args.model} has no tokenizer")
     base = EMLLMConfig.from_yaml(args.em_config, args.set)
+    done = []
+    if args.resume and args.out and args.out.exists():
+        old = json.loads(args.out.read_text())
+        settings = {"filler": args.filler, "em_config": base.to_dict(), "infllm_block": args.infllm_block,
+                    "model": str(args.model)}
+        for name, value in settings.items():
+            if old.get(name) != value:
+                p.error(f"--resume: {args.out} has {name}={old.get(name)!r}, this run {value!r}")
+        done = old["results"]
+
+    def save(report):
+        report["model"] = str(args.model)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_text(args.out, json.dumps(report, indent=1))
+
     report = run(loaded, args.methods, args.lengths, args.samples, args.filler, base, args.infllm_block, args.seed,
-                 with_diagnostics=args.diagnose)
+                 with_diagnostics=args.diagnose, done=done, on_row=save if args.out else None)
     report["model"] = str(args.model)
-    print(f"\nPasskey ({args.filler} filler), {args.samples} prompts per length, model {args.model} "
-          f"(trained context {loaded.config.max_seq_len})")
+    print(f"\nPasskey ({args.filler} filler), model {args.model} (trained context {loaded.config.max_seq_len}); "
+          "correct / prompts")
     print(summary_table(report))
     if args.diagnose:
         for r in report["results"]:
@@ -235,8 +283,6 @@ def main(argv=None) -> int:
                       f"{d['p_first_digit']:.3f}, key event retrieved in {hits}/{len(d['layers'])} layers, "
                       f"largest head mass on key {peak:.2f}")
     if args.out:
-        from rag_jax.atomic import write_text
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_text(args.out, json.dumps(report, indent=1))
-        print(f"wrote {args.out}")
+        save(report)
+        print(f"wrote {args.out} and {plot(report, args.out.with_suffix('.png'))}")
     return 0
