@@ -37,6 +37,7 @@ choosing a word (" the", " a") over the space that starts a number. Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import time
@@ -52,6 +53,9 @@ EM_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "em_llm_
 METHODS = ("em_llm", "em_llm_contiguous", "em_llm_refine", "em_llm_contiguity", "inf_llm", "sliding", "full")
 assert set(METHODS) <= set(PASSKEY_METHODS + EM_VARIANTS)
 FILLERS = ("repeat", "phantom")
+TASKS = ("passkey", "kv", "haystack")
+TASK_NAMES = {"passkey": "Passkey", "kv": "KV retrieval (75 keys)", "haystack": "PhantomWiki haystack (1-hop)"}
+MAX_NEW_TOKENS = {"passkey": 8, "kv": 40, "haystack": 16}
 INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
                "I will quiz you about the pass key.\n\n")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
@@ -87,10 +91,6 @@ def passkey_prompt(loaded, sentences: list[str], length: int, depth: float, key:
     """
     tok = loaded.tokenizer
     needle = NEEDLE.format(key=key)
-    overhead = len(tok.encode(_render(loaded, INSTRUCTION + needle + QUESTION) + ANSWER_PREFIX,
-                              add_special_tokens=False).ids)
-    if length <= overhead:
-        raise ValueError(f"length={length} tokens leaves no room for filler (the prompt alone is {overhead})")
 
     def build(count: int):
         picked = [sentences[i % len(sentences)] for i in range(count)]
@@ -98,22 +98,145 @@ def passkey_prompt(loaded, sentences: list[str], length: int, depth: float, key:
         text = _render(loaded, INSTRUCTION + "".join(picked[:cut]) + needle + "".join(picked[cut:]) + QUESTION)
         return text + ANSWER_PREFIX
 
-    count = max(1, (length - overhead) // 4)
-    for _ in range(3):   # sentences alone tokenize differently from the running text: rescale to the target
-        filler_tokens = len(tok.encode(build(count), add_special_tokens=False).ids) - overhead
-        count = max(1, int(count * (length - overhead) / max(filler_tokens, 1)))
+    count = _fit(tok, build, length, tokens_per_piece=4)
     text = build(count)
     enc = tok.encode(text, add_special_tokens=False)
     start = text.index(needle, text.index(INSTRUCTION))
     key_chars = [start + m.start() for m in re.finditer(key, needle)]
-    key_tokens = [i for i, (a, b) in enumerate(enc.offsets)
-                  if any(a < c + len(key) and b > c for c in key_chars)]
-    return np.asarray(enc.ids, np.int32), np.asarray(key_tokens, np.int64)
+    return np.asarray(enc.ids, np.int32), _char_tokens(enc, [(c, c + len(key)) for c in key_chars])
 
 
 def first_number(text: str) -> str | None:
     m = re.search(r"\d+", text)
     return m.group(0) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One evaluation prompt.
+
+    Attributes:
+      ids: int32 ``[seq]`` token ids, ending with the reply prefix ``prefix``.
+      answer: the gold string; depth: relative position of the evidence in the context, in [0, 1].
+      tag: the prompt's identity within its length (passkey key, KV key, haystack question).
+      evidence: int64 token indices holding the answer in the context (diagnostics).
+      prefix: the assistant reply prefix already in ``ids``.
+    """
+
+    ids: np.ndarray
+    answer: str
+    depth: float
+    tag: str
+    evidence: np.ndarray
+    prefix: str
+
+
+def _char_tokens(enc, spans) -> np.ndarray:
+    """Indices of the tokens of ``enc`` overlapping any character span ``(start, end)``."""
+    return np.asarray([i for i, (a, b) in enumerate(enc.offsets) if any(a < e and b > s for s, e in spans)], np.int64)
+
+
+def passkey_prompts(loaded, length: int, samples: int, seed: int, filler: str) -> list[Prompt]:
+    """``samples`` passkey prompts of about ``length`` tokens, keys at depths ``(i + 0.5) / samples``."""
+    rng = np.random.default_rng([seed, length])
+    sentences = filler_sentences(filler, seed)
+    out = []
+    for i in range(samples):
+        key, depth = str(rng.integers(10000, 100000)), (i + 0.5) / samples
+        ids, key_tokens = passkey_prompt(loaded, sentences, length, depth, key)
+        out.append(Prompt(ids, key, depth, key, key_tokens, ANSWER_PREFIX))
+    return out
+
+
+def kv_prompts(loaded, samples: int, seed: int) -> list[Prompt]:
+    """``samples`` examples of the shared KV-retrieval file (75 UUID pairs, ~5.4K SmolLM2 tokens; Liu et al.'s
+    "Lost in the Middle" format), drawn with ``seed``. The reply starts with the gold key's own JSON prefix
+    ``"KEY": "`` (as "The pass key is" starts the passkey reply), so the value is what follows it."""
+    from rag_jax.data.loaders import load_kv_retrieval
+    from rag_jax.evaluation.passkey import KV_FILE, kv_prompt
+
+    if not KV_FILE.exists():
+        raise FileNotFoundError(f"{KV_FILE} is absent (the shared lost_in_the_middle data; set RAG_JAX_SHARED_DATA)")
+    examples = load_kv_retrieval(KV_FILE)
+    picks = np.random.default_rng(seed).choice(len(examples), size=min(samples, len(examples)), replace=False)
+    out = []
+    for ex in (examples[i] for i in picks):
+        prefix = f'"{ex.key}": "'
+        text = _render(loaded, kv_prompt(ex.kv_records, ex.key)) + prefix
+        enc = loaded.tokenizer.encode(text, add_special_tokens=False)
+        gold = text.index(f'"{ex.key}": "{ex.value}"')
+        keys = [k for k, _ in ex.kv_records]
+        out.append(Prompt(np.asarray(enc.ids, np.int32), ex.value, keys.index(ex.key) / len(keys), ex.key,
+                          _char_tokens(enc, [(gold, gold + len(ex.key) + len(ex.value) + 6)]), prefix))
+    return out
+
+
+HAYSTACK_INSTRUCTION = "Below are articles of a fictional encyclopedia. Answer the question about them.\n\n"
+HAYSTACK_ATTRIBUTES = ("job", "hobby", "dob")
+
+
+def haystack_prompts(loaded, length: int, samples: int, seed: int) -> list[Prompt]:
+    """``samples`` needle-in-a-real-haystack questions of about ``length`` tokens: articles of one generated
+    PhantomWiki universe (``rag_jax.data.phantom``, ~130 tokens each, enough people to fill ``length``) in a
+    seeded order, the article of the person asked about at depth ``(i + 0.5) / samples``, then a 1-hop attribute
+    question ("What is the hobby of X?"; occupation, hobby, date of birth in turn); the reply starts "The hobby
+    of X is". Correct when the reply contains the value. Names are unique within a universe, and only X's own
+    article states X's attributes."""
+    from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
+
+    universe = generate_universe(num_people=max(100, length // 80), seed=seed, num_questions=0)
+    rng = np.random.default_rng([seed, length])
+    order = rng.permutation(len(universe.people))
+    tok = loaded.tokenizer
+    out = []
+    for i, person_index in enumerate(rng.choice(len(universe.people), size=samples, replace=False)):
+        person, depth = universe.people[person_index], (i + 0.5) / samples
+        by_title = {a["title"]: a["article"] for a in universe.articles}
+        needle = by_title[person.name]
+        others = [by_title[universe.people[j].name] for j in order if j != person_index]
+        attribute = HAYSTACK_ATTRIBUTES[i % len(HAYSTACK_ATTRIBUTES)]
+        name = _ATTRIBUTE_TEXT[attribute]
+        question = f"\nWhat is the {name} of {person.name}?"
+        prefix = f"The {name} of {person.name} is"
+
+        def build(count: int) -> str:
+            picked = [others[j % len(others)] for j in range(count)]
+            cut = int(round(depth * count))
+            return _render(loaded, HAYSTACK_INSTRUCTION + "\n".join(picked[:cut] + [needle] + picked[cut:])
+                           + question) + prefix
+
+        text = build(_fit(tok, build, length, tokens_per_piece=130))
+        enc = tok.encode(text, add_special_tokens=False)
+        fact = f"{prefix} {getattr(person, attribute)}."
+        at = text.index(needle, text.index(HAYSTACK_INSTRUCTION)) + needle.index(fact)
+        out.append(Prompt(np.asarray(enc.ids, np.int32), getattr(person, attribute), depth, question.strip(),
+                          _char_tokens(enc, [(at, at + len(fact))]), prefix))
+    return out
+
+
+def _fit(tok, build, length: int, tokens_per_piece: int) -> int:
+    """The count of filler pieces for which ``build(count)`` tokenizes to about ``length`` tokens: a first guess
+    from ``tokens_per_piece``, then three rescales (pieces alone tokenize differently from the running text).
+
+    Raises ValueError if ``length`` leaves no room for filler."""
+    overhead = len(tok.encode(build(0), add_special_tokens=False).ids)
+    if length <= overhead:
+        raise ValueError(f"length={length} tokens leaves no room for filler (the prompt alone is {overhead})")
+    count = max(1, (length - overhead) // tokens_per_piece)
+    for _ in range(3):
+        filler_tokens = len(tok.encode(build(count), add_special_tokens=False).ids) - overhead
+        count = max(1, int(count * (length - overhead) / max(filler_tokens, 1)))
+    return count
+
+
+def correct(task: str, reply: str, answer: str) -> bool:
+    """Passkey: the first number of the reply is the key; KV and haystack: the reply contains the answer
+    (case-insensitive for the haystack's words)."""
+    if task == "passkey":
+        return first_number(reply) == answer
+    if task == "kv":
+        return answer in reply
+    return answer.lower() in reply.lower()
 
 
 def _full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
@@ -122,75 +245,85 @@ def _full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
     return [int(t) for t in out.reshape(-1) if t >= 0]
 
 
-def diagnose(loaded, cfg: EMLLMConfig, ids: np.ndarray, key_tokens: np.ndarray, key: str) -> dict:
-    """Per-layer view of the step that must emit the key's first digit (see the module doc)."""
+def diagnose(loaded, cfg: EMLLMConfig, prompt: Prompt) -> dict:
+    """Per-layer view of the step that must emit the answer's first token (see the module doc)."""
     tok = loaded.tokenizer
-    answer = tok.encode(f"{ANSWER_PREFIX} {key}.", add_special_tokens=False).ids
-    prefix = tok.encode(ANSWER_PREFIX, add_special_tokens=False).ids
-    first = next(i for i, t in enumerate(answer) if any(ch.isdigit() for ch in tok.decode([t])))
-    forced = np.concatenate([ids, np.asarray(answer[len(prefix):first], np.int32)])
+    reply = f"{prompt.prefix} {prompt.answer}" if prompt.prefix and not prompt.prefix.endswith('"') else \
+        prompt.prefix + prompt.answer
+    enc = tok.encode(reply, add_special_tokens=False)
+    prefix_len = len(tok.encode(prompt.prefix, add_special_tokens=False).ids) if prompt.prefix else 0
+    first = next(i for i, (_, b) in enumerate(enc.offsets) if b > len(reply) - len(prompt.answer))
+    forced = np.concatenate([prompt.ids, np.asarray(enc.ids[prefix_len:first], np.int32)])
     em = EMLLM(loaded.model, cfg, diagnose=True)
     logits = em.prefill(forced)
     log_p = logits - np.logaddexp.reduce(logits)
     layers = []
     for layer, (positions, weights) in enumerate(em.attention):
-        mass = weights[:, np.isin(positions, key_tokens)].sum(axis=1)
+        mass = weights[:, np.isin(positions, prompt.evidence)].sum(axis=1)
         in_events = [range(em.store.starts[e], em.store.starts[e] + em.store.sizes[e]) for e in em.retrieved[layer]]
-        layers.append({"key_retrieved": bool(any(int(key_tokens[0]) in r for r in in_events)),
+        layers.append({"key_retrieved": bool(any(int(prompt.evidence[0]) in r for r in in_events)),
                        "key_mass_mean": float(mass.mean()), "key_mass_max_head": float(mass.max())})
-    return {"p_first_digit": float(np.exp(log_p[answer[first]])), "layers": layers}
+    return {"p_first_token": float(np.exp(log_p[enc.ids[first]])), "layers": layers}
+
+
+def make_prompts(loaded, task: str, length: int, samples: int, seed: int, filler: str = "repeat") -> list[Prompt]:
+    """The prompts of one task and length (``kv``: the file's examples, whatever ``length``)."""
+    if task == "passkey":
+        return passkey_prompts(loaded, length, samples, seed, filler)
+    if task == "kv":
+        return kv_prompts(loaded, samples, seed)
+    if task == "haystack":
+        return haystack_prompts(loaded, length, samples, seed)
+    raise ValueError(f"task={task!r}; valid: {TASKS}")
 
 
 def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, infllm_block: int = 128,
         seed: int = 0, max_new_tokens: int = 8, with_diagnostics: bool = False, log=print, done=(),
-        on_row=None) -> dict:
-    """Evaluate; returns ``{"results": [{method, length, depth, key, reply, correct, tokens, seconds,
-    diagnostics?}], ...}``. ``full`` is skipped past ``loaded.config.max_seq_len``.
+        on_row=None, task: str = "passkey") -> dict:
+    """Evaluate; returns ``{"task", "results": [{method, length, depth, key, reply, correct, tokens, seconds,
+    diagnostics?}], ...}`` (``key``: the prompt's tag). ``full`` is skipped past ``loaded.config.max_seq_len``.
 
-    The prompts of a length depend only on ``(seed, length, samples)``, so runs over other lengths or methods
-    reuse them; ``done`` (rows of an earlier report) are kept and not run again (resume), and ``on_row(report)``
-    is called after every new row (checkpoints).
+    The prompts of a length depend only on ``(task, seed, length, samples)``, so runs over other lengths or
+    methods reuse them; ``done`` (rows of an earlier report) are kept and not run again (resume), and
+    ``on_row(report)`` is called after every new row (checkpoints).
     """
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"method={m!r}; valid: {METHODS}")
-    sentences = filler_sentences(filler, seed)
     tok = loaded.tokenizer
     cache: dict = {}
     results = list(done)
     finished = {(r["method"], r["length"], r["depth"], r["key"]) for r in results}
-    report = {"filler": filler, "em_config": base.to_dict(), "infllm_block": infllm_block, "results": results}
-    for length in lengths:
-        rng = np.random.default_rng([seed, length])
-        prompts = []
-        for i in range(samples):
-            key = str(rng.integers(10000, 100000))
-            depth = (i + 0.5) / samples
-            if any((m, length, depth, key) not in finished for m in methods):
-                prompts.append((depth, key, *passkey_prompt(loaded, sentences, length, depth, key)))
+    report = {"task": task, "filler": filler, "em_config": base.to_dict(), "infllm_block": infllm_block,
+              "results": results}
+    for length in (lengths if task != "kv" else [0]):
+        prompts = make_prompts(loaded, task, length, samples, seed, filler)
+        if task == "kv":   # one nominal length: the longest prompt
+            length = int(max(len(p.ids) for p in prompts))
         for method in methods:
             if method == "full" and length > loaded.config.max_seq_len:
                 continue
             cfg = None if method == "full" else method_config(method, base, length, infllm_block)
-            for depth, key, ids, key_tokens in prompts:
-                if (method, length, depth, key) in finished:
+            for prompt in prompts:
+                if (method, length, prompt.depth, prompt.tag) in finished:
                     continue
                 t0 = time.perf_counter()
                 if cfg is None:
-                    out = _full_generate(loaded, ids, max_new_tokens)
+                    out = _full_generate(loaded, prompt.ids, max_new_tokens)
                 else:
                     em = cache.get(cfg) or cache.setdefault(cfg, EMLLM(loaded.model, cfg))
                     em.reset()
-                    out = em.generate(ids, max_new_tokens, eos_id=loaded.eos_ids)
+                    out = em.generate(prompt.ids, max_new_tokens, eos_id=loaded.eos_ids)
                 seconds = time.perf_counter() - t0
                 reply = tok.decode(out)
-                row = {"method": method, "length": length, "tokens": int(len(ids)), "depth": depth, "key": key,
-                       "reply": reply, "correct": first_number(reply) == key, "seconds": seconds}
+                row = {"method": method, "length": length, "tokens": int(len(prompt.ids)), "depth": prompt.depth,
+                       "key": prompt.tag, "answer": prompt.answer, "reply": reply,
+                       "correct": correct(task, reply, prompt.answer), "seconds": seconds}
                 if with_diagnostics and cfg is not None:
-                    row["diagnostics"] = diagnose(loaded, cfg, ids, key_tokens, key)
+                    row["diagnostics"] = diagnose(loaded, cfg, prompt)
                 results.append(row)
-                log(f"  {method:18s} {len(ids):>6d} tok depth {depth:.2f}: {'ok ' if row['correct'] else 'no '}"
-                    f"{reply!r} ({seconds:.0f} s)")
+                log(f"  {method:18s} {len(prompt.ids):>6d} tok depth {prompt.depth:.2f}: "
+                    f"{'ok ' if row['correct'] else 'no '}{reply!r} ({seconds:.0f} s)")
                 if on_row is not None:
                     on_row(report)
     return report
@@ -209,10 +342,12 @@ def plot(report: dict, path: Path) -> str:
     """Accuracy vs length per method (PNG at ``path``)."""
     from rag_jax.demo.report import line_plot
 
+    task = report.get("task", "passkey")
+    what = f"Passkey ({report['filler']} filler)" if task == "passkey" else TASK_NAMES[task]
     series = [(list(acc), [100.0 * h / n for h, n in acc.values()], method)
               for method, acc in accuracy(report).items()]
-    return line_plot(path, series, xlabel="prompt length (tokens)", ylabel="passkey accuracy (%)",
-                     title=f"Passkey ({report['filler']} filler), {report.get('model', '')}", style="o-")
+    return line_plot(path, series, xlabel="prompt length (tokens)", ylabel="accuracy (%)",
+                     title=f"{what}, {report.get('model', '')}", style="o-")
 
 
 def summary_table(report: dict) -> str:
@@ -234,7 +369,12 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--samples", type=int, default=2, help="prompts per length (depths evenly spread)")
     p.add_argument("--methods", nargs="+", default=["em_llm", "inf_llm", "sliding", "full"], choices=METHODS)
-    p.add_argument("--filler", default="repeat", choices=FILLERS)
+    p.add_argument("--task", default="passkey", choices=TASKS,
+                   help="passkey; kv (the shared 75-key KV-retrieval file, --lengths ignored); haystack (PhantomWiki "
+                        "attribute question, its article among others)")
+    p.add_argument("--filler", default="repeat", choices=FILLERS, help="passkey filler")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"reply tokens (default {MAX_NEW_TOKENS}: room for each task's answer)")
     p.add_argument("--em-config", type=Path, default=EM_CONFIG)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --em-config")
     p.add_argument("--infllm-block", type=int, default=64, help="InfLLM fixed block size in tokens")
@@ -255,10 +395,10 @@ def main(argv=None) -> int:
     done = []
     if args.resume and args.out and args.out.exists():
         old = json.loads(args.out.read_text())
-        settings = {"filler": args.filler, "em_config": base.to_dict(), "infllm_block": args.infllm_block,
+        settings = {"task": args.task, "filler": args.filler, "em_config": base.to_dict(), "infllm_block": args.infllm_block,
                     "model": str(args.model)}
         for name, value in settings.items():
-            if old.get(name) != value:
+            if old.get(name, "passkey" if name == "task" else None) != value:
                 p.error(f"--resume: {args.out} has {name}={old.get(name)!r}, this run {value!r}")
         done = old["results"]
 
@@ -268,9 +408,11 @@ def main(argv=None) -> int:
         write_text(args.out, json.dumps(report, indent=1))
 
     report = run(loaded, args.methods, args.lengths, args.samples, args.filler, base, args.infllm_block, args.seed,
-                 with_diagnostics=args.diagnose, done=done, on_row=save if args.out else None)
+                 max_new_tokens=args.max_new_tokens or MAX_NEW_TOKENS[args.task], with_diagnostics=args.diagnose,
+                 done=done, on_row=save if args.out else None, task=args.task)
     report["model"] = str(args.model)
-    print(f"\nPasskey ({args.filler} filler), model {args.model} (trained context {loaded.config.max_seq_len}); "
+    what = f"Passkey ({args.filler} filler)" if args.task == "passkey" else TASK_NAMES[args.task]
+    print(f"\n{what}, model {args.model} (trained context {loaded.config.max_seq_len}); "
           "correct / prompts")
     print(summary_table(report))
     if args.diagnose:
@@ -279,9 +421,9 @@ def main(argv=None) -> int:
                 d = r["diagnostics"]
                 hits = sum(x["key_retrieved"] for x in d["layers"])
                 peak = max(x["key_mass_max_head"] for x in d["layers"])
-                print(f"  {r['method']:18s} {r['tokens']:>6d} depth {r['depth']:.2f}: p(first digit) "
-                      f"{d['p_first_digit']:.3f}, key event retrieved in {hits}/{len(d['layers'])} layers, "
-                      f"largest head mass on key {peak:.2f}")
+                print(f"  {r['method']:18s} {r['tokens']:>6d} depth {r['depth']:.2f}: p(answer's first token) "
+                      f"{d['p_first_token']:.3f}, evidence event retrieved in {hits}/{len(d['layers'])} layers, "
+                      f"largest head mass on it {peak:.2f}")
     if args.out:
         save(report)
         print(f"wrote {args.out} and {plot(report, args.out.with_suffix('.png'))}")
