@@ -19,6 +19,13 @@ After each chunk the model's surprise ``-log p(x[t+1] | x[<=t])`` sets event bou
 optionally refined on the key-similarity graph (``refinement``), and tokens that left the window become events
 (``event_store``): KV to host, one representative vector per layer into the layer's index.
 
+Per chunk the host makes one dispatch per layer (``_step``: this layer's attention and MLP, then the next layer's
+q/k/v and retrieval query; the head fused into the last layer) and one round trip per layer (the retrieval query
+comes back, the host ranks events and loads the missing ones in one transfer), plus one dispatch for the memory
+cut (``_cut``: init tokens, representative vectors, event KV to the host in one transfer, buffer shift). The
+retrieval of layer ``l + 1`` needs layer ``l``'s output, so layers cannot share a jit without moving the event
+index to the device (device memory would then grow with the stream).
+
 Deliberate differences from the reference code (note §4.4, §4.6):
 - the memory stage masks buffered tokens still inside a query's window (the reference's complement mask is a
   no-op, so in chunked prefill it attends up to ``chunk_size - 1`` window tokens twice); here every key is seen
