@@ -1,4 +1,5 @@
 """rag_jax.evaluation.long_context plumbing and EMLLM's attention diagnostics (tiny random model, byte tokens)."""
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -124,3 +125,16 @@ def test_kv_prompts_mark_the_gold_pair(tmp_path):
     assert loaded.tokenizer.decode(p.ids[p.evidence].tolist()) == f'"{p.tag}": "{p.answer}"'
     assert long_context.correct("kv", f'{p.answer}"}}', p.answer) and not long_context.correct("kv", "x", p.answer)
     assert long_context.correct("passkey", " 12345.", "12345") and not long_context.correct("passkey", " 1234", "12345")
+
+
+def test_full_attention_reply_may_run_past_the_trained_context(tmp_path):
+    """A prompt filling max_seq_len still gets its reply (positions past it), the same as a longer context's."""
+    short = CFG.replace(max_seq_len=64)
+    model = Transformer(short, rngs=nnx.Rngs(5))
+    ids = np.random.default_rng(5).integers(0, 256, 62).astype(np.int32)
+    loaded = LoadedModel(config=short, model=model, arch="llama", tokenizer=byte_tokenizer(), chat_template=None,
+                         eos_ids=(), special_tokens={}, source=tmp_path)
+    got = long_context._full_generate(loaded, ids, 6)
+    assert model.config.max_seq_len == 64                                # the caller's model is unchanged
+    longer = Transformer(CFG, rngs=nnx.Rngs(5))                          # same weights, max_seq_len 512
+    assert got == long_context._full_generate(dataclasses.replace(loaded, model=longer), ids, 6) and len(got) == 6

@@ -240,8 +240,17 @@ def correct(task: str, reply: str, answer: str) -> bool:
 
 
 def _full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
+    """Greedy reply with full attention. A prompt that fills the trained context (``max_seq_len``) still gets its
+    reply: the reply's positions run past it (at most ``max_new_tokens``; RoPE is defined there)."""
+    from flax import nnx
+
     from rag_jax.inference.generate import generate
-    out = np.asarray(generate(loaded.model, [ids], max_new_tokens=max_new_tokens, eos_id=loaded.eos_ids))
+
+    model = loaded.model
+    if len(ids) + max_new_tokens > model.config.max_seq_len:
+        model = nnx.merge(*nnx.split(model))     # the same arrays under a config that admits the reply
+        model.config = model.config.replace(max_seq_len=len(ids) + max_new_tokens)
+    out = np.asarray(generate(model, [ids], max_new_tokens=max_new_tokens, eos_id=loaded.eos_ids))
     return [int(t) for t in out.reshape(-1) if t >= 0]
 
 
