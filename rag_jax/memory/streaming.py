@@ -20,9 +20,9 @@ optionally refined on the key-similarity graph (``refinement``), and tokens that
 (``event_store``): KV to host, one representative vector per layer into the layer's index.
 
 Per chunk the host makes one dispatch per layer (``_step``: this layer's attention and MLP, then the next layer's
-q/k/v and retrieval query; the head fused into the last layer) and one round trip per layer (the retrieval query
-comes back, the host ranks events and loads the missing ones in one transfer), plus one dispatch for the memory
-cut (``_cut``: init tokens, representative vectors, event KV to the host in one transfer, buffer shift). The
+q/k/v and retrieval query) and one round trip per layer (the retrieval query
+comes back, the host ranks events and loads the missing ones in one transfer), then the head, and one dispatch
+for the memory cut (``_cut``: init tokens, representative vectors, event KV to the host in one transfer, buffer shift). The
 retrieval of layer ``l + 1`` needs layer ``l``'s output, so layers cannot share a jit without moving the event
 index to the device (device memory would then grow with the stream).
 
@@ -210,27 +210,23 @@ def _start(model_def, layer_def, n_local, model_leaves, layer_leaves, tokens, n_
     return (x, *_project(_merge(layer_def, layer_leaves), x, n_valid, n_local, inv_freq))
 
 
-def _step(model_def, layer_def, n_local, positions, use_memory, layer_leaves, next_leaves, model_leaves, buf,
-          cache_k, cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len, labels):
-    """``_attend`` for one layer, then under the same jit:
-
-    - ``next_leaves`` given: the next layer's projection, ``(buf, last_weights, (x, q, k, v, q_mean))``;
-    - last layer, ``model_leaves`` given: the head, ``(buf, last_weights, (logits [q_len, vocab], surprise))`` with
-      surprise ``-log p(label)`` ``[q_len]`` when ``labels`` (int32 ``[1, q_len]``) is given, else None;
-    - last layer, no ``model_leaves``: no head (prefill chunks that need neither logits nor surprise),
-      ``(buf, last_weights, None)``.
-
-    One dispatch and one host round trip (the retrieval query) per layer."""
+def _step(layer_def, n_local, positions, use_memory, layer_leaves, next_leaves, buf, cache_k, cache_v, x, q, k, v,
+          inv_freq, plan, start, n_valid, init_len):
+    """``_attend`` for one layer, then under the same jit the next layer's projection (``next_leaves``; the last
+    layer projects with any layer's leaves and the result is dropped: one compiled shape for every layer):
+    ``(buf, last_weights, (x, q, k, v, q_mean))``. One dispatch and one host round trip (the retrieval query) per
+    layer."""
     x, buf, last_weights = _attend(_merge(layer_def, layer_leaves), n_local, positions, use_memory, buf, cache_k,
                                    cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len)
-    if next_leaves is not None:
-        return buf, last_weights, (x, *_project(_merge(layer_def, next_leaves), x, n_valid, n_local, inv_freq))
-    if model_leaves is None:
-        return buf, last_weights, None
+    return buf, last_weights, (x, *_project(_merge(layer_def, next_leaves), x, n_valid, n_local, inv_freq))
+
+
+def _head(model_def, model_leaves, x, labels):
+    """Logits ``[q_len, vocab]`` of the last layer's output and, with ``labels`` (int32 ``[1, q_len]``, the next
+    tokens), the surprise ``-log p(label)`` ``[q_len]`` (else None)."""
     model = _merge(model_def, model_leaves)
     logits = model.logits(model.final_norm(x))
-    surprise = None if labels is None else surprise_from_logits(logits, labels)[0]
-    return buf, last_weights, (logits[0], surprise)
+    return logits[0], None if labels is None else surprise_from_logits(logits, labels)[0]
 
 
 @functools.lru_cache(maxsize=16)
@@ -238,9 +234,9 @@ def _compiled(model_def, layer_def, n_local: int, positions: str, use_memory: bo
     """The chunk's jitted functions for one model structure and config; static arguments are bound (hashed) once
     here instead of on every call."""
     start = jax.jit(functools.partial(_start, model_def, layer_def, n_local))
-    step = jax.jit(functools.partial(_step, model_def, layer_def, n_local, positions, use_memory),
-                   donate_argnums=(3,))
-    return start, step
+    step = jax.jit(functools.partial(_step, layer_def, n_local, positions, use_memory), donate_argnums=(2,))
+    head = jax.jit(functools.partial(_head, model_def))
+    return start, step, head
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
@@ -325,7 +321,7 @@ class EMLLM:
         layer_graphdef, layer_state = nnx.split(model.layers[0])
         self._params = StepParams(jax.tree.leaves(state),
                                   [jax.tree.leaves(nnx.split(layer)[1]) for layer in model.layers])
-        self._start, self._step = _compiled((graphdef, jax.tree.structure(state)),
+        self._start, self._step, self._head = _compiled((graphdef, jax.tree.structure(state)),
                                             (layer_graphdef, jax.tree.structure(layer_state)), cfg.n_local,
                                             cfg.positions, cfg.memory)
         self._inv_freq = model.inv_freq
@@ -429,7 +425,8 @@ class EMLLM:
         """Run one chunk (``len(tokens) <= chunk_size``) through all layers, then update memory.
 
         Per layer one jit (``_step``: this layer's attention and MLP, then the next layer's projection) and one
-        host round trip: the retrieval query comes back, the host picks and loads events (``_plan_memory``).
+        host round trip: the retrieval query comes back, the host picks and loads events (``_plan_memory``);
+        then the head (``_head``) when needed.
         ``labels`` (the next tokens; None on the decode path) give the surprise; the head runs when surprise
         segmentation needs it or ``head`` asks for the logits ``[q_len, vocab]`` (returned; else None).
         """
@@ -448,17 +445,15 @@ class EMLLM:
         num_layers = self.model_config.num_layers
         for layer in range(num_layers):
             plan = self._plan_memory(layer, q_mean, n)
-            last = layer == num_layers - 1
-            self.buffers[layer], last_weights, out = self._step(
-                params.layers[layer], None if last else params.layers[layer + 1],
-                params.model if last and (head or surprise_needed) else None, self.buffers[layer],
+            self.buffers[layer], last_weights, (x, q, k, v, q_mean) = self._step(
+                params.layers[layer], params.layers[(layer + 1) % num_layers], self.buffers[layer],
                 self.cache.k[layer], self.cache.v[layer], x, q, k, v, self._inv_freq, plan, start, np.int32(n),
-                init_len, label_arr)
+                init_len)
             if self.diagnose:
                 self.attention[layer] = (self._key_positions(layer, int(start), n), np.asarray(last_weights))
-            if not last:
-                x, q, k, v, q_mean = out
-        logits, surprise = out if out is not None else (None, None)
+        logits = surprise = None
+        if head or surprise_needed:
+            logits, surprise = self._head(params.model, x, label_arr)
         if labels is not None:      # prefill: boundaries (uniform ones or from surprise); decode: none
             surprise = np.asarray(surprise)[:n] if surprise_needed else np.zeros(n, np.float32)
         self._update_memory(n, surprise)
