@@ -366,7 +366,7 @@ def plot(report: dict, path: Path) -> str:
     series = [(list(acc), [100.0 * h / n for h, n in acc.values()], method)
               for method, acc in accuracy(report).items()]
     return line_plot(path, series, xlabel="prompt length (tokens)", ylabel="accuracy (%)",
-                     title=f"{what}, {report.get('model', '')}", style="o-")
+                     title=f"{what}, {report.get('model', '')}", style="o-", ylim=(-5, 105), logx=True)
 
 
 def summary_table(report: dict) -> str:
