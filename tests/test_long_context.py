@@ -1,8 +1,10 @@
 """rag_jax.evaluation.long_context plumbing and EMLLM's attention diagnostics (tiny random model, byte tokens)."""
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from rag_jax.data.tokenizer import byte_tokenizer
@@ -76,9 +78,63 @@ def test_long_context_run_and_table(tmp_path: Path):
             layers = r["diagnostics"]["layers"]
             assert len(layers) == CFG.num_layers
             assert all(0 <= x["key_mass_mean"] <= x["key_mass_max_head"] <= 1 + 1e-6 for x in layers)
-            assert 0 <= r["diagnostics"]["p_first_digit"] <= 1
+            assert 0 <= r["diagnostics"]["p_first_token"] <= 1
     table = long_context.summary_table(report)
     for m in methods:
         line = next(x for x in table.splitlines() if x.startswith(f"| {m} "))
         hits = [int(r["correct"]) for r in rows if r["method"] == m]
         assert f"{hits[0]}/1" in line and (m == "full" or f"{hits[1]}/1" in line)
+    # Resume: every row is done, nothing runs again; the plot is written.
+    again = long_context.run(loaded, methods, [300, 600], 1, "repeat", base, infllm_block=16, max_new_tokens=3,
+                             log=lambda *_: None, done=rows, on_row=lambda _: pytest.fail("re-ran a finished row"))
+    assert again["results"] == rows
+    assert long_context.accuracy(report)["em_llm"] == {300: (int(rows[0]["correct"]), 1),
+                                                       600: (int(rows[len(methods)]["correct"]), 1)}
+    png = Path(long_context.plot(report, tmp_path / "acc.png"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _loaded(tmp_path):   # prompts only: no model
+    return LoadedModel(config=CFG, model=None, arch="llama", tokenizer=byte_tokenizer(), chat_template=None,
+                       eos_ids=(), special_tokens={}, source=tmp_path)
+
+
+def test_haystack_prompts_place_the_article_and_mark_the_fact(tmp_path):
+    loaded = _loaded(tmp_path)
+    prompts = long_context.haystack_prompts(loaded, 6000, 3, seed=4)
+    assert [p.depth for p in prompts] == [1 / 6, 1 / 2, 5 / 6]
+    for p in prompts:
+        text = loaded.tokenizer.decode(p.ids.tolist())
+        assert abs(len(p.ids) - 6000) < 400 and text.endswith(p.prefix) and p.tag in text
+        fact = loaded.tokenizer.decode(p.ids[p.evidence].tolist())
+        assert fact == f"{p.prefix} {p.answer}."                              # the one sentence stating it
+        assert text.count(fact) == 1
+        assert abs(text.index(fact) / len(text) - p.depth) < 0.15           # ~11 articles: coarse depths
+    assert long_context.correct("haystack", " Woodturning, I think.", "woodturning")
+    assert not long_context.correct("haystack", " chess", "woodturning")
+
+
+def test_kv_prompts_mark_the_gold_pair(tmp_path):
+    from rag_jax.evaluation.passkey import KV_FILE
+    if not KV_FILE.exists():
+        pytest.skip(f"{KV_FILE} absent (shared data)")
+    loaded = _loaded(tmp_path)
+    (p,) = long_context.kv_prompts(loaded, 1, seed=2)
+    text = loaded.tokenizer.decode(p.ids.tolist())
+    assert text.endswith(p.prefix) and p.prefix == f'"{p.tag}": "'
+    assert loaded.tokenizer.decode(p.ids[p.evidence].tolist()) == f'"{p.tag}": "{p.answer}"'
+    assert long_context.correct("kv", f'{p.answer}"}}', p.answer) and not long_context.correct("kv", "x", p.answer)
+    assert long_context.correct("passkey", " 12345.", "12345") and not long_context.correct("passkey", " 1234", "12345")
+
+
+def test_full_attention_reply_may_run_past_the_trained_context(tmp_path):
+    """A prompt filling max_seq_len still gets its reply (positions past it), the same as a longer context's."""
+    short = CFG.replace(max_seq_len=64)
+    model = Transformer(short, rngs=nnx.Rngs(5))
+    ids = np.random.default_rng(5).integers(0, 256, 62).astype(np.int32)
+    loaded = LoadedModel(config=short, model=model, arch="llama", tokenizer=byte_tokenizer(), chat_template=None,
+                         eos_ids=(), special_tokens={}, source=tmp_path)
+    got = long_context._full_generate(loaded, ids, 6)
+    assert model.config.max_seq_len == 64                                # the caller's model is unchanged
+    longer = Transformer(CFG, rngs=nnx.Rngs(5))                          # same weights, max_seq_len 512
+    assert got == long_context._full_generate(dataclasses.replace(loaded, model=longer), ids, 6) and len(got) == 6

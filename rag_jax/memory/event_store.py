@@ -15,6 +15,7 @@ layer, searched by inner product with the chunk's mean query (research note ``em
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -109,11 +110,10 @@ class EventStore:
         return self.indexes[layer].search(query, min(k, len(self.sizes)))
 
 
-def _write_slot(cache_k, cache_v, slot, k, v):
-    return cache_k.at[slot].set(k), cache_v.at[slot].set(v)
-
-
-_write_slot_jit = jax.jit(_write_slot, donate_argnums=(0, 1))
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_slots(cache_k, cache_v, slots, k, v):
+    """``cache[slots[i]] = k[i]`` (and v); slots past the end (padding) are dropped."""
+    return cache_k.at[slots].set(k, mode="drop"), cache_v.at[slots].set(v, mode="drop")
 
 
 class DeviceEventCache:
@@ -142,6 +142,7 @@ class DeviceEventCache:
         wanted = set(event_ids)
         slots = np.empty(len(event_ids), np.int32)
         free = [s for s in range(self.slots) if s not in set(resident.values())]
+        missing = []
         for i, event_id in enumerate(event_ids):
             if event_id in resident:
                 resident.move_to_end(event_id)
@@ -152,14 +153,27 @@ class DeviceEventCache:
             else:
                 victim = next(e for e in resident if e not in wanted)
                 slot = resident.pop(victim)
-            k, v = store.kv(event_id, layer)
-            pad = ((0, self.max_block_size - k.shape[0]), (0, 0), (0, 0))
-            self.k[layer], self.v[layer] = _write_slot_jit(self.k[layer], self.v[layer], slot,
-                                                           np.pad(k, pad), np.pad(v, pad))
             resident[event_id] = slot
             slots[i] = slot
-            self.loads += 1
+            missing.append((slot, event_id))
+        if missing:
+            self._write(layer, missing, store)
         return slots
+
+    def _write(self, layer: int, missing: list[tuple[int, int]], store: EventStore) -> None:
+        """Copy events ``(slot, event_id)`` from the host store in one transfer and one dispatch (the batch is
+        padded to a power of two so that few shapes compile)."""
+        shape = self.k[layer].shape
+        batch = 1 << (len(missing) - 1).bit_length()
+        k = np.zeros((batch, *shape[1:]), self.k[layer].dtype)
+        v = np.zeros_like(k)
+        slots = np.full(batch, self.slots, np.int32)
+        for i, (slot, event_id) in enumerate(missing):
+            ek, ev = store.kv(event_id, layer)
+            k[i, :len(ek)], v[i, :len(ev)] = ek, ev
+            slots[i] = slot
+        self.k[layer], self.v[layer] = _write_slots(self.k[layer], self.v[layer], slots, k, v)
+        self.loads += len(missing)
 
     @property
     def nbytes(self) -> int:
