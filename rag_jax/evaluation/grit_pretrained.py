@@ -33,7 +33,6 @@ and chat template (issue 17, item 3):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
+from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, names, output_file, real
 from rag_jax.evaluation.tables import table
 
 INSTRUCTION = "Given a question, retrieve Wikipedia passages that answer the question"
@@ -201,46 +201,45 @@ def base_targets(loaded, pairs: Sequence[tuple[str, str]], args) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rag-jax eval grit_pretrained", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded name, .gguf file or HF folder")
-    p.add_argument("--data", type=Path, default=shared_file(*NQ_ORACLE))
-    p.add_argument("--eval-questions", type=int, default=100, help="held-out questions (retrieval and EM)")
-    p.add_argument("--train-questions", type=int, default=500)
-    p.add_argument("--gen-train", type=int, default=200, help="training questions that also give a generative row")
-    p.add_argument("--pool", type=int, default=1000, help="passages searched at evaluation")
-    p.add_argument("--seed", type=int, default=0)
+    p = ScriptParser(prog="rag-jax eval grit_pretrained", description=__doc__)
+    p.add_argument("--model", type=model_source, default="smollm2-135m-instruct",
+                   help="embedded name, .gguf file or HF folder")
+    p.add_argument("--data", type=input_file, default=str(shared_file(*NQ_ORACLE)))
+    p.add_argument("--eval-questions", type=integer(1), default=100, help="held-out questions (retrieval and EM)")
+    p.add_argument("--train-questions", type=integer(1), default=500)
+    p.add_argument("--gen-train", type=integer(0), default=200,
+                   help="training questions that also give a generative row")
+    p.add_argument("--pool", type=integer(1), default=1000, help="passages searched at evaluation")
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--instruction", default=INSTRUCTION, help="query instruction (passages get none)")
-    p.add_argument("--query-len", type=int, default=48, help="query tokens incl. the instruction and format")
-    p.add_argument("--passage-len", type=int, default=64, help="passage tokens incl. the format prefix")
-    p.add_argument("--gen-len", type=int, default=192, help="generative row tokens (chat template included)")
-    p.add_argument("--gen-context-words", type=int, default=48, help="passage words around the answer per row")
+    p.add_argument("--query-len", type=integer(8), default=48, help="query tokens incl. the instruction and format")
+    p.add_argument("--passage-len", type=integer(8), default=64, help="passage tokens incl. the format prefix")
+    p.add_argument("--gen-len", type=integer(16), default=192, help="generative row tokens (chat template included)")
+    p.add_argument("--gen-context-words", type=integer(1), default=48, help="passage words around the answer per row")
     p.add_argument("--gen-targets", choices=("base", "gold"), default="base",
                    help="generative responses: the base model's own replies (keeps its generation) or the gold answers")
-    p.add_argument("--negatives", type=int, default=4, help="base-model hard negatives kept per training query")
-    p.add_argument("--top-layers", type=int, default=2, help="top decoder layers trained (+ final norm)")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=16, help="queries per step (in-batch negatives)")
-    p.add_argument("--group-size", type=int, default=2, help="passages per query: positive + hard negatives")
-    p.add_argument("--gen-batch-size", type=int, default=4, help="generative rows per step (unified)")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--temperature", type=float, default=0.02)
-    p.add_argument("--gen-factor", type=float, default=1.0, help="lambda_Gen")
-    p.add_argument("--modes", default="unified,embedding", help="tuned models: unified, embedding")
-    p.add_argument("--em-questions", type=int, default=None, help="held-out questions for EM (default all; 0 = no EM)")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--em-batch-size", type=int, default=16)
+    p.add_argument("--negatives", type=integer(0), default=4, help="base-model hard negatives kept per training query")
+    p.add_argument("--top-layers", type=integer(1), default=2, help="top decoder layers trained (+ final norm)")
+    p.add_argument("--steps", type=integer(1), default=100)
+    p.add_argument("--batch-size", type=integer(2), default=16, help="queries per step (in-batch negatives)")
+    p.add_argument("--group-size", type=integer(1), default=2, help="passages per query: positive + hard negatives")
+    p.add_argument("--gen-batch-size", type=integer(1), default=4, help="generative rows per step (unified)")
+    p.add_argument("--lr", type=real(0, lo_open=True), default=1e-4)
+    p.add_argument("--warmup", type=integer(0), default=10)
+    p.add_argument("--temperature", type=real(0, lo_open=True), default=0.02)
+    p.add_argument("--gen-factor", type=real(0), default=1.0, help="lambda_Gen")
+    p.add_argument("--modes", type=names(("unified", "embedding")), default="unified,embedding",
+                   help="tuned models: unified, embedding")
+    p.add_argument("--em-questions", type=integer(0), default=None,
+                   help="held-out questions for EM (default all; 0 = no EM)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=24)
+    p.add_argument("--em-batch-size", type=integer(1), default=16)
     p.add_argument("--no-minilm", action="store_true")
     p.add_argument("--cache-dir", type=Path, default=Path("runs/grit_pretrained"),
                    help="frozen-bottom features (bottom<layers>.npz) and tuned-model run folders, reused when present")
-    p.add_argument("--out", type=Path, default=None, help="JSON results")
+    p.add_argument("--out", type=output_file, default=None, help="JSON results")
     args = p.parse_args(argv)
-    modes = [m for m in args.modes.split(",") if m]
-    if any(m not in ("unified", "embedding") for m in modes):
-        p.error(f"--modes={args.modes!r}: valid entries are unified, embedding")
-    if not args.data.is_file():
-        p.error(f"--data {args.data}: NQ oracle file not found")
+    modes = args.modes
 
     from rag_jax.data.grit import ChatGritFormat, GritDataConfig, tokenize_generative_record
     from rag_jax.evaluation.grit_eval import answer_window
