@@ -18,7 +18,7 @@ from flax import nnx
 
 from rag_jax import sharding
 from rag_jax.benchmarks.train_bench import lm_rows, train_step_seconds
-from rag_jax.evaluation.args import ScriptParser, integer, real
+from rag_jax.evaluation.args import ScriptParser, add_model_dims, integer, model_dims, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.model import ModelConfig, Transformer
@@ -72,12 +72,7 @@ def bench_torch(cfg: ModelConfig, tokens: np.ndarray, lr: float, warmup: int, it
 
 def main(argv: list[str] | None = None) -> int:
     p = ScriptParser(prog="rag-jax bench model_vs_torch", description=__doc__)
-    p.add_argument("--hidden", type=integer(1), default=256)
-    p.add_argument("--intermediate", type=integer(1), default=768)
-    p.add_argument("--layers", type=integer(1), default=4)
-    p.add_argument("--heads", type=integer(1), default=4)
-    p.add_argument("--kv_heads", type=integer(1), default=2)
-    p.add_argument("--vocab", type=integer(1), default=4096)
+    add_model_dims(p)
     p.add_argument("--seq", type=integer(1), default=512)
     p.add_argument("--batch", type=integer(1), default=8)
     p.add_argument("--iters", type=integer(1), default=5, help="timed iterations (median reported)")
@@ -85,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=real(0, lo_open=True), default=1e-4)
     args = p.parse_args(argv)
 
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                      max_seq_len=max(args.seq, 2048))
+    cfg = ModelConfig(**model_dims(args), max_seq_len=max(args.seq, 2048))
     tokens = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq)).astype(np.int32)
     n_tokens = args.batch * args.seq
     jax_fwd, jax_step = bench_jax(cfg, tokens, args.lr, args.warmup, args.iters)

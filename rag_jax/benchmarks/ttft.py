@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source
+from rag_jax.evaluation.args import ScriptParser, add_model_dims, int_list, integer, model_dims, model_source
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.inference.block_attention import BlockAttention
@@ -107,12 +107,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=model_source, default=None,
                    help="pretrained weights instead of a random model: an embedded name (smollm2-135m-instruct), "
                         "a .gguf file or an HF folder (rag_jax.model.load.load_model); token ids stay random")
-    p.add_argument("--hidden", type=integer(1), default=256)
-    p.add_argument("--layers", type=integer(1), default=4)
-    p.add_argument("--heads", type=integer(1), default=4)
-    p.add_argument("--kv_heads", type=integer(1), default=2)
-    p.add_argument("--intermediate", type=integer(1), default=768)
-    p.add_argument("--vocab", type=integer(1), default=4096)
+    add_model_dims(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=integer(1), default=5, help="timed runs per measurement (median reported)")
     p.add_argument("--no_hf", action="store_true", help="skip the HF transformers baseline")
@@ -146,8 +141,7 @@ def main(argv=None) -> int:
         if args.preset:
             cfg = ModelConfig.preset(args.preset, **dims)
         else:
-            cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                              num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, **dims)
+            cfg = ModelConfig(**model_dims(args), **dims)
         model = Transformer(cfg, rngs=nnx.Rngs(args.seed))
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
     store = KVStore(max_bytes=2 * kv_bytes_per_token * max(sizes) + (1 << 20))

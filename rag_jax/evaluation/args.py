@@ -158,3 +158,18 @@ def model_source(text: str) -> str:
     except FileNotFoundError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def add_model_dims(p: argparse.ArgumentParser) -> None:
+    """The random-model dimensions the benchmarks share (``--hidden``, ``--intermediate``, ``--layers``,
+    ``--heads``, ``--kv_heads``, ``--vocab``; defaults: ``rag-jax bench ttft``'s 4-layer toy model); read them
+    back with :func:`model_dims`."""
+    for flag, default in (("--hidden", 256), ("--intermediate", 768), ("--layers", 4), ("--heads", 4),
+                          ("--kv_heads", 2), ("--vocab", 4096)):
+        p.add_argument(flag, type=integer(1), default=default)
+
+
+def model_dims(args: argparse.Namespace) -> dict[str, int]:
+    """``ModelConfig`` keyword arguments from the flags of :func:`add_model_dims`."""
+    return dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads)
