@@ -171,3 +171,7 @@ def test_block_nq_evaluate_records_em_times_and_the_finetune_record(tmp_path):
             assert row["subspan_em"] == em and len(row["predictions"]) == 2
             assert row["seconds"] > 0 and row["cpu_seconds"] > 0
             assert saved["results"][name][str(pos)]["predictions"] == row["predictions"]
+    args.modes = ["block"]
+    only_block = block_nq.evaluate({"": loaded}, examples, texts, [0, 1, 2], [0], [[3, 4]], [2], args)
+    assert list(only_block) == ["block"] and list(only_block["block"]) == [2]
+    assert "finetune" not in json.loads(args.out.read_text())

@@ -35,9 +35,13 @@ from pathlib import Path
 import numpy as np
 
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
-from rag_jax.evaluation.args import ScriptParser, input_file, int_list, integer, model_source, output_file, real
+from rag_jax.evaluation.args import (ScriptParser, input_file, int_list, integer, model_source, names,
+                                     output_file, real)
 from rag_jax.evaluation.tables import table
 from rag_jax.train.block_finetune import BlockFinetuneConfig, finetune
+
+
+MODES = ("full", "block")
 
 
 def heldout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -123,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=integer(1), default=24)
     p.add_argument("--batch-size", type=integer(1), default=8,
                    help="questions per generate call (its KV cache is batch x ~1.5K tokens x 30 layers)")
+    p.add_argument("--modes", type=names(MODES), default="full,block",
+                   help="attention modes evaluated, comma-separated (e.g. block: only the block rows)")
     p.add_argument("--cache", type=output_file, default=None, help="npz to reuse/store the MiniLM pool embeddings")
     p.add_argument("--out", type=output_file, default=None, help="JSON output (rewritten after every condition)")
     ft = p.add_argument_group("Block-Attention fine-tuning (rag_jax.train.block_finetune); off unless --finetune-steps")
@@ -201,9 +207,8 @@ def main(argv=None) -> int:
         del result, loaded  # the train state (params + Adam moments) is not needed for evaluation
         models = ({} if args.skip_base else models) | {" (after FT)": load_model(args.run_dir)}
     results = evaluate(models, examples, texts, gold_ids, heldout, negatives, positions, args, info)
-    names = list(results)
     rows = [[name, *[results[name][x]["subspan_em"] for x in positions],
-             np.mean([results[name][x]["subspan_em"] for x in positions])] for name in names]
+             np.mean([results[name][x]["subspan_em"] for x in positions])] for name in results]
     print(f"# {args.model}, NQ-open held-out: {len(heldout)} questions, {args.num_passages} passages (gold + MiniLM "
           f"hard negatives from {len(pool)} gold passages); best-subspan EM")
     print(table(["inference", *[f"gold@{x}" for x in positions], "mean"], rows))
@@ -213,13 +218,15 @@ def main(argv=None) -> int:
 def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positions, args,
              info: dict | None = None) -> dict:
     """Best-subspan EM per ``"{mode}{model name}"`` condition and gold position: block then full for a tuned
-    model, full then block otherwise (the table's order). Writes ``args.out`` (with ``info``, e.g. the
+    model, full then block otherwise (the table's order), the modes of ``args.modes`` only (default both). Writes ``args.out`` (with ``info``, e.g. the
     fine-tuning record) after every condition.
 
     Each chunk of ``args.batch_size`` questions is answered at every gold position before the next chunk, so in
     block mode its passage blocks are encoded once and reused from the KV store (which needs to hold one
     chunk's blocks only); ``seconds`` (wall) and ``cpu_seconds`` (process CPU, all threads) are the condition's
     times split evenly over its positions, compilation included."""
+    import jax
+
     from rag_jax.demo.real_model import ChatBlocks
     from rag_jax.evaluation.rag import generate_answers, score_answer
     from rag_jax.inference.block_attention import BlockAttention
@@ -228,7 +235,9 @@ def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positi
     for name, loaded in models.items():
         chat = ChatBlocks(loaded)
         ba = BlockAttention(loaded.model, fingerprint=str(loaded.source))
-        for mode in (("block", "full") if "after" in name else ("full", "block")):
+        modes = [m for m in (("block", "full") if "after" in name else ("full", "block"))
+                 if m in getattr(args, "modes", MODES)]
+        for mode in modes:
             preds: dict[int, list[str]] = {pos: [] for pos in positions}
             t0, c0 = time.perf_counter(), time.process_time()
             for start in range(0, len(heldout), args.batch_size):
@@ -249,6 +258,7 @@ def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positi
                 print(f"  {mode} attention{name}, gold at {pos}: best-subspan EM {np.mean(em):.3f}", flush=True)
             print(f"  ({mode} attention{name}: {seconds:.0f} s wall, {cpu:.0f} s CPU for {len(heldout)} questions x "
                   f"{len(positions)} positions)", flush=True)
+            jax.clear_caches()                    # compiled programs of this condition's shapes: memory
             if args.out is not None:
                 from rag_jax.atomic import write_text
                 write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
