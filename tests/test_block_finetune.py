@@ -142,3 +142,36 @@ def test_nq_training_rows_fill_seq_len_with_ranked_negatives():
         assert ex.blocks[0] == tuple(chat.blocks("x", [])[0]) and ex.blocks[-1] == tuple(chat.blocks(f"q{i}?", [])[-1])
     assert len({[list(b) for b in ex.blocks[1:-1]].index(ids(texts[g])) for ex, g in zip(rows, gold_ids)}) > 1
     assert training_examples(chat, 10, examples, texts, gold_ids, range(6), negatives, 20, seed=1) == ([], 6)
+
+
+def test_block_nq_evaluate_records_em_times_and_the_finetune_record(tmp_path):
+    """``block_nq.evaluate`` on a tiny chat model: per condition and gold position the EM of its own predictions,
+    wall and CPU seconds, and ``info`` (the fine-tuning record, NumPy floats included) in the --out JSON."""
+    import json
+    from types import SimpleNamespace
+
+    from rag_jax.evaluation import block_nq
+    from rag_jax.metrics import best_subspan_em
+    cfg = dataclasses.replace(CFG, max_seq_len=512)
+    loaded = LoadedModel(cfg, Transformer(cfg, rngs=nnx.Rngs(3)), "LlamaForCausalLM", byte_tokenizer(), TEMPLATE,
+                         (10,), {"eos_token": "\n"}, Path("tiny-chat"))
+    examples = [SimpleNamespace(question=f"q{i}?", answers=("a", "zz")) for i in range(3)]
+    texts = [f"passage {j}." for j in range(5)]
+    args = SimpleNamespace(batch_size=2, max_new_tokens=3, out=tmp_path / "out.json")
+    info = {"finetune": {"steps": 1, "cpu_seconds": 2.5, "history": [{"loss": np.float32(1.5)}]}}
+    results = block_nq.evaluate({" (after FT)": loaded}, examples, texts, [0, 1, 2], [0, 2], [[3, 4], [4, 3]],
+                                [0, 2], args, info)
+    saved = json.loads(args.out.read_text())
+    assert list(results) == ["block (after FT)", "full (after FT)"] == list(saved["results"])
+    assert saved["finetune"]["history"] == [{"loss": 1.5}] and saved["questions"] == 2
+    for name, by_pos in results.items():
+        for pos in (0, 2):
+            row = by_pos[pos]
+            em = np.mean([best_subspan_em(p, examples[i].answers) for p, i in zip(row["predictions"], [0, 2])])
+            assert row["subspan_em"] == em and len(row["predictions"]) == 2
+            assert row["seconds"] > 0 and row["cpu_seconds"] > 0
+            assert saved["results"][name][str(pos)]["predictions"] == row["predictions"]
+    args.modes = ["block"]
+    only_block = block_nq.evaluate({"": loaded}, examples, texts, [0, 1, 2], [0], [[3, 4]], [2], args)
+    assert list(only_block) == ["block"] and list(only_block["block"]) == [2]
+    assert "finetune" not in json.loads(args.out.read_text())

