@@ -38,6 +38,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -337,6 +338,11 @@ def main(argv=None) -> int:
                                      gen_window)
         evaluate(mode, tuned[mode])
         last = res.history[-1] if res.history else {}
+        # Largest parameter change of the top model (a check that the evaluated model is the trained one).
+        change = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))),
+                              nnx.to_pure_dict(tuned[mode]), nnx.to_pure_dict(nnx.state(top, nnx.Param)))
+        results[mode]["max_param_change"] = max(jax.tree.leaves(change))
+        print(f"  {mode}: max |parameter change| {results[mode]['max_param_change']:.2e}", flush=True)
         results[mode].update(train_s=last.get("elapsed_s", float("nan")), step_s=last.get("step_time_s", float("nan")),
                              **{k: last[k] for k in ("loss_rep", "loss_gen", "rep_accuracy") if k in last})
         timer.stage(f"train {mode}")
