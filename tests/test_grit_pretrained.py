@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rag_jax.data.loaders import NQExample, Passage
-from rag_jax.evaluation.grit_pretrained import hard_negatives, recall, split_nq
+from rag_jax.evaluation.grit_pretrained import discordant, gold_ranks, hard_negatives, recall, split_nq
 
 
 def _examples(n=60, passages=25, seed=0):
@@ -41,3 +41,14 @@ def test_hard_negatives_and_recall_vs_brute_force():
     r = recall(scores, gold, ks=(1, 3))
     rank = [int((scores[i] > scores[i, gold[i]]).sum()) for i in range(7)]
     assert r == {"recall@1": np.mean([x < 1 for x in rank]), "recall@3": np.mean([x < 3 for x in rank])}
+    assert gold_ranks(scores, gold) == rank
+
+
+def test_discordant_pairs_and_exact_mcnemar():
+    a, b = [0, 7, 2, 9, 1, 6], [8, 0, 3, 9, 6, 5]   # hit@5: a hits questions 0, 2, 4; b hits 1, 2
+    only_a, only_b, p = discordant(a, b, 5)
+    assert (only_a, only_b) == (2, 1)
+    assert p == pytest.approx(1.0)  # binomial(3, 1/2): P(X <= 1) + P(X >= 2) = 1
+    assert discordant(a, a, 5) == (0, 0, 1.0)
+    _, _, p = discordant([0] * 10, [9] * 10, 5)
+    assert p == pytest.approx(2 * 0.5 ** 10)

@@ -38,6 +38,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -92,6 +93,22 @@ def recall(scores: np.ndarray, gold: Sequence[int], ks: Sequence[int] = KS) -> d
     from rag_jax.metrics import recall_at_k
     order = np.argsort(-scores, axis=1, kind="stable")[:, :max(ks)]
     return {f"recall@{k}": recall_at_k(order, [[g] for g in gold], k) for k in ks}
+
+
+def gold_ranks(scores: np.ndarray, gold: Sequence[int]) -> list[int]:
+    """0-based rank of each row's gold column in the descending, stable ``scores [queries, corpus]`` ranking
+    (per-question hits for paired comparisons: hit@k is ``rank < k``)."""
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return [int(np.flatnonzero(row == g)[0]) for row, g in zip(order, gold)]
+
+
+def discordant(ranks_a: Sequence[int], ranks_b: Sequence[int], k: int) -> tuple[int, int, float]:
+    """Paired hit@k comparison of two models on the same questions: ``(questions only a hits, only b hits,
+    two-sided exact sign-test p-value of that split)`` (McNemar's exact test)."""
+    from scipy.stats import binomtest
+    a = sum(x < k <= y for x, y in zip(ranks_a, ranks_b))
+    b = sum(y < k <= x for x, y in zip(ranks_a, ranks_b))
+    return a, b, (binomtest(a, a + b).pvalue if a + b else 1.0)
 
 
 def hard_negatives(scores: np.ndarray, gold: Sequence[int], excluded: Sequence[set[int]], n: int) -> list[list[int]]:
@@ -318,6 +335,7 @@ def main(argv=None) -> int:
     def evaluate(name: str, params) -> None:
         q, c = embed(params, split.heldout, split.corpus)
         results[name] = recall(q @ c.T, heldout_gold)
+        results[name]["gold_rank"] = gold_ranks(q @ c.T, heldout_gold)
         print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[name].items()), flush=True)
 
     evaluate("base", base_params)
@@ -337,6 +355,11 @@ def main(argv=None) -> int:
                                      gen_window)
         evaluate(mode, tuned[mode])
         last = res.history[-1] if res.history else {}
+        # Largest parameter change of the top model (a check that the evaluated model is the trained one).
+        change = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))),
+                              nnx.to_pure_dict(tuned[mode]), nnx.to_pure_dict(nnx.state(top, nnx.Param)))
+        results[mode]["max_param_change"] = max(jax.tree.leaves(change))
+        print(f"  {mode}: max |parameter change| {results[mode]['max_param_change']:.2e}", flush=True)
         results[mode].update(train_s=last.get("elapsed_s", float("nan")), step_s=last.get("step_time_s", float("nan")),
                              **{k: last[k] for k in ("loss_rep", "loss_gen", "rep_accuracy") if k in last})
         timer.stage(f"train {mode}")
@@ -347,6 +370,7 @@ def main(argv=None) -> int:
         qv = embed_texts(minilm, [split.questions[i] for i in split.heldout], desc="MiniLM questions")
         cv = embed_texts(minilm, [split.texts[j] for j in split.corpus], desc="MiniLM passages")
         results["minilm"] = recall(qv @ cv.T, heldout_gold)
+        results["minilm"]["gold_rank"] = gold_ranks(qv @ cv.T, heldout_gold)
         timer.stage("minilm")
 
     em_questions = split.heldout[:args.em_questions]
@@ -366,7 +390,9 @@ def main(argv=None) -> int:
     print(table(["model", *cols], [[n, *(r.get(c, "-") for c in cols)] for n, r in results.items()]))
     if {"unified", "embedding"} <= set(results):
         u, e, b = results["unified"], results["embedding"], results["base"]
-        print(f"unified - embedding-only recall@5: {100 * (u['recall@5'] - e['recall@5']):+.1f} points; "
+        only_u, only_e, pval = discordant(u["gold_rank"], e["gold_rank"], 5)
+        print(f"unified - embedding-only recall@5: {100 * (u['recall@5'] - e['recall@5']):+.1f} points ({only_u} "
+              f"questions only unified hits, {only_e} only embedding-only, exact McNemar p={pval:.2f}); "
               f"unified - base recall@5: {100 * (u['recall@5'] - b['recall@5']):+.1f}")
     if "oracle_em" in results.get("unified", {}):
         print(f"unified - base oracle EM: {100 * (results['unified']['oracle_em'] - results['base']['oracle_em']):+.1f}"

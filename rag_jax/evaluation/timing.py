@@ -5,9 +5,25 @@ machine adds outliers).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
+
+
+def cpu_threads(n: int) -> None:
+    """Limit XLA's CPU backend to ``n`` threads (0: leave the defaults). Call before the first JAX
+    computation: the flags are read when the backend starts, not at import. ``n == 1`` also turns off
+    Eigen's thread pool, which gives stable timings on a busy, shared machine (with ``--clock cpu``)."""
+    if n:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
+                                   f"{'false' if n == 1 else 'true'} intra_op_parallelism_threads={n}").strip()
+
+
+def clock_fn(name: str) -> Callable[[], float]:
+    """``"wall"`` -> ``time.perf_counter``; ``"cpu"`` -> ``time.process_time`` (CPU seconds of this process,
+    all threads: what a shared, oversubscribed machine does not inflate)."""
+    return {"wall": time.perf_counter, "cpu": time.process_time}[name]
 
 
 def median_ms(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
