@@ -350,8 +350,8 @@ def main(argv=None) -> int:
     def evaluate(name: str, params) -> None:
         q, c = embed(params, split.heldout, split.corpus)
         results[name] = recall(q @ c.T, heldout_gold)
-        results[name]["gold_rank"] = gold_ranks(q @ c.T, heldout_gold)
         print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[name].items()), flush=True)
+        results[name]["gold_rank"] = gold_ranks(q @ c.T, heldout_gold)
 
     evaluate("base", base_params)
     # Hard negatives mined with the base model among the training gold passages.
