@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rag_jax.data.loaders import NQExample, Passage
-from rag_jax.evaluation.grit_pretrained import discordant, gold_ranks, hard_negatives, recall, split_nq
+from rag_jax.evaluation.grit_pretrained import complete_replies, discordant, gold_ranks, hard_negatives, recall, split_nq
 
 
 def _examples(n=60, passages=25, seed=0):
@@ -52,3 +52,10 @@ def test_discordant_pairs_and_exact_mcnemar():
     assert discordant(a, a, 5) == (0, 0, 1.0)
     _, _, p = discordant([0] * 10, [9] * 10, 5)
     assert p == pytest.approx(2 * 0.5 ** 10)
+
+
+def test_complete_replies_by_token_count():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert complete_replies(tok, ["a b", "a b a", "a", "b b b b"], 3) == [True, False, True, False]

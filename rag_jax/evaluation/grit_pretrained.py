@@ -111,6 +111,13 @@ def discordant(ranks_a: Sequence[int], ranks_b: Sequence[int], k: int) -> tuple[
     return a, b, (binomtest(a, a + b).pvalue if a + b else 1.0)
 
 
+def complete_replies(tokenizer, replies: Sequence[str], max_new_tokens: int) -> list[bool]:
+    """Per greedy reply: True when it ended before the ``max_new_tokens`` cap (its re-encoded text is shorter),
+    False when generation was cut there. A cut reply used as a generative target is followed by the
+    end-of-turn token in the training row, which teaches the model to stop mid-sentence."""
+    return [len(tokenizer.encode(r, add_special_tokens=False).ids) < max_new_tokens for r in replies]
+
+
 def hard_negatives(scores: np.ndarray, gold: Sequence[int], excluded: Sequence[set[int]], n: int) -> list[list[int]]:
     """Per row of ``scores [queries, passages]``: the ``n`` best-scored passages other than ``gold[i]`` and
     ``excluded[i]`` (passages that contain an answer), best first.
@@ -163,6 +170,8 @@ def train_top(args, mode: str, top, frozen, emb_records, gen_records, tokenizer,
     from rag_jax.train.objectives.grit import GritConfig, GritLoss
 
     recipe = {k: str(getattr(args, k)) for k in RECIPE_ARGS}
+    if args.complete_targets:  # only when set: the recipes (run folders) of earlier runs keep their names
+        recipe["complete_targets"] = "True"
     run_dir = args.cache_dir / f"top_{mode}_{hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]}"
     batches = grit_batches(emb_records, gen_records if mode == "unified" else None, tokenizer, data_cfg, fmt)
     loss_fn = GritLoss(GritConfig(mode=mode, temperature=args.temperature, loss_gen_factor=args.gen_factor,
@@ -235,6 +244,9 @@ def main(argv=None) -> int:
     p.add_argument("--gen-context-words", type=integer(1), default=48, help="passage words around the answer per row")
     p.add_argument("--gen-targets", choices=("base", "gold"), default="base",
                    help="generative responses: the base model's own replies (keeps its generation) or the gold answers")
+    p.add_argument("--complete-targets", action="store_true",
+                   help="with --gen-targets base: train only on replies that ended before --max-new-tokens (a reply "
+                        "cut there, followed by the end-of-turn target, teaches stopping mid-sentence)")
     p.add_argument("--negatives", type=integer(0), default=4, help="base-model hard negatives kept per training query")
     p.add_argument("--top-layers", type=integer(1), default=2, help="top decoder layers trained (+ final norm)")
     p.add_argument("--steps", type=integer(1), default=100)
@@ -285,7 +297,10 @@ def main(argv=None) -> int:
     targets = ([split.answers[i][0] for i in split.train[:args.gen_train]] if args.gen_targets == "gold"
                else base_targets(loaded, pairs, args))
     timer.stage("generative targets")
-    gen_records = [{"text": [oracle_prompt(q, context), t]} for (q, context), t in zip(pairs, targets) if t.strip()]
+    keep = (complete_replies(tok, targets, args.max_new_tokens) if args.complete_targets and args.gen_targets == "base"
+            else [True] * len(targets))
+    gen_records = [{"text": [oracle_prompt(q, context), t]} for (q, context), t, k in zip(pairs, targets, keep)
+                   if t.strip() and k]
     gen_rows = [tokenize_generative_record(r, tok, args.gen_len, fmt, i) for i, r in enumerate(gen_records)]
     # Batches padded to the longest row of each kind, not to the caps (every padded token costs compute).
     longest = lambda group: max(len(ids) for ids, _ in group)  # noqa: E731
@@ -335,8 +350,8 @@ def main(argv=None) -> int:
     def evaluate(name: str, params) -> None:
         q, c = embed(params, split.heldout, split.corpus)
         results[name] = recall(q @ c.T, heldout_gold)
-        results[name]["gold_rank"] = gold_ranks(q @ c.T, heldout_gold)
         print(f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[name].items()), flush=True)
+        results[name]["gold_rank"] = gold_ranks(q @ c.T, heldout_gold)
 
     evaluate("base", base_params)
     # Hard negatives mined with the base model among the training gold passages.
