@@ -60,7 +60,7 @@ def test_block_attention_notebook(tmp_path, monkeypatch):
     hits = re.findall(r"store hits \+(\d+), misses \+(\d+)", text)
     # head + 4 passages per block-mode prompt, all from the store: the checked prefill, then 2 generated prompts
     assert hits == [("5", "0"), ("15", "0")]
-    answers = re.findall(r"^  (block|full)\s+attention: '(.+)' \| best-subspan EM [01]$", text, re.M)
+    answers = re.findall(r"^  (block|full)\s+attention: (.+) \| best-subspan EM [01]$", text, re.M)
     assert [a[0] for a in answers] == ["block", "full"] * 2   # greedy replies of both modes for both questions
     rows = re.findall(r"^\| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+x \| ([\d.]+)x \|$", text, re.M)
     assert [int(r[0]) for r in rows] == [2, 4]
