@@ -63,7 +63,9 @@ def test_logits_match_transformers(models):
     for i, n in enumerate(lengths):
         delta = np.abs(got[i, :n] - ref[i, :n]).max()
         print(f"{n} tokens: max |dlogits| {delta:.2e}")
-        assert delta <= 2e-4, (n, delta)
+        # fp32 on both sides; XLA's and torch's CPU GEMMs sum in different orders, which depend on the CPU:
+        # 2.5e-4 at 445 tokens (1.2e-4 at 295) on an Intel Xeon, under 2e-4 on an AMD EPYC.
+        assert delta <= 5e-4, (n, delta)
 
 
 def test_greedy_tokens_match_transformers(models):
