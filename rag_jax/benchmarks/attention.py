@@ -50,10 +50,8 @@ def worker(impl: str, length: int, args) -> dict:
     import numpy as np
     tokens = np.random.default_rng(args.seed).integers(1, 4000, (1, length))
     os.environ["JAX_PLATFORMS"] = args.platform  # e.g. no TPU runtime probe (and its memory) on a CPU bench
-    if args.threads:  # read when the XLA backend starts, not at import
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                                   f"{'false' if args.threads == 1 else 'true'} "
-                                   f"intra_op_parallelism_threads={args.threads}").strip()
+    from rag_jax.evaluation.timing import cpu_threads
+    cpu_threads(args.threads)  # read when the XLA backend starts, not at import
     if impl == "hf":
         import torch
         if args.threads:

@@ -25,7 +25,6 @@ Small defaults finish in a few minutes on CPU. Issue 16's throughput check on Sm
 """
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 from pathlib import Path
@@ -35,7 +34,7 @@ from flax import nnx
 
 from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source
 from rag_jax.evaluation.tables import table
-from rag_jax.evaluation.timing import StageTimer, median_ms, times_ms
+from rag_jax.evaluation.timing import StageTimer, cpu_threads, median_ms, times_ms
 from rag_jax.memory import EMLLM, EMLLMConfig, EventIndex, modularity_scores
 from rag_jax.metrics import recall_at_k
 from rag_jax.model import ModelConfig, Transformer
@@ -216,10 +215,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.em_config is not None:
         EMLLMConfig.from_yaml(args.em_config)  # a bad config fails before the first table
-    if args.threads:  # read when the XLA backend starts (first computation), not at import
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                                   f"{'false' if args.threads == 1 else 'true'} "
-                                   f"intra_op_parallelism_threads={args.threads}").strip()
+    cpu_threads(args.threads)  # read when the XLA backend starts, not at import
     if "stream" not in args.skip:
         stream_table(args)
     if "lookup" not in args.skip:

@@ -41,7 +41,7 @@ from flax import nnx
 
 from rag_jax.evaluation.args import ScriptParser, add_model_dims, int_list, integer, model_dims, model_source
 from rag_jax.evaluation.tables import table
-from rag_jax.evaluation.timing import median_ms
+from rag_jax.evaluation.timing import cpu_threads, median_ms
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.kv_store import KVStore
 from rag_jax.model import ModelConfig, Transformer
@@ -122,11 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=integer(0), default=0)
     args = p.parse_args(argv)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    if args.threads:
-        # Read when the XLA backend starts (first computation below), not at import.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                                   f"{'false' if args.threads == 1 else 'true'} "
-                                   f"intra_op_parallelism_threads={args.threads}").strip()
+    cpu_threads(args.threads)  # read when the XLA backend starts, not at import
     sizes = args.sizes
     if min(sizes) <= args.last_len:
         p.error(f"argument --sizes: every size must exceed --last_len={args.last_len}; got {sizes}")
