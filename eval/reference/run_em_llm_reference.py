@@ -4,7 +4,7 @@ config names. Not part of the package: it runs in a separate venv (torch CPU, tr
 accelerate) against a local checkout of the reference; see ``em_llm.md`` here for the setup, the local CPU patches
 of the checkout and the results.
 
-    /tmp/ref/venv/bin/python eval/reference/run_em_llm_reference.py --ref /tmp/ref/EM-LLM-model \\
+    PYTHONPATH=/tmp/ref/EM-LLM-model /tmp/ref/venv/bin/python eval/reference/run_em_llm_reference.py \\
         --model /tmp/ref/smollm2_hf --prompts /tmp/ref/prompts_4096.json --out /tmp/ref/ref_4096.json --threads 1
 
 Writes ``{"config", "chunk_size", "threads", "rows": [{key, depth, tokens, reply_ids, seconds, cpu_seconds,
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import time
 
 import torch
@@ -62,7 +61,6 @@ def reference_config(max_cached_block: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ref", required=True, help="checkout of EM-LLM-model (CPU-patched, see em_llm.md)")
     p.add_argument("--model", required=True, help="HF folder (rag_jax.model.gguf.convert_gguf of the GGUF)")
     p.add_argument("--prompts", required=True, help="JSON from dump_passkey_prompts.py")
     p.add_argument("--out", required=True)
@@ -75,8 +73,11 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu_shims()
-    sys.path.insert(0, args.ref)
-    from em_llm.utils import GreedySearch, patch_hf
+    try:
+        from em_llm.utils import GreedySearch, patch_hf
+    except ImportError:
+        p.error("the reference package em_llm is not importable: put its checkout on PYTHONPATH "
+                "(PYTHONPATH=/tmp/ref/EM-LLM-model, see em_llm.md)")
     from transformers import AutoModelForCausalLM
 
     data = json.load(open(args.prompts))
