@@ -32,6 +32,11 @@ Deliberate differences from the reference code (note §4.4, §4.6):
   exactly once per query;
 - RoPE uses the model's own inverse frequencies (incl. Llama-3.1 scaling, which the reference ignores);
 - surprise statistics are float64 and representative scores float32.
+
+Over 500 lines on purpose: one chunk's step (local window + memory plan + joint attention, then segmentation and
+the event store update) is a single stateful loop whose parts share the per-layer buffers and the compiled step;
+the pieces with a job of their own already live beside it (``segmentation``, ``refinement``, ``event_store``,
+``event_retrieval``, ``index``).
 """
 from __future__ import annotations
 
