@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source, names
 
@@ -50,7 +49,7 @@ def worker(impl: str, length: int, args) -> dict:
     import numpy as np
     tokens = np.random.default_rng(args.seed).integers(1, 4000, (1, length))
     os.environ["JAX_PLATFORMS"] = args.platform  # e.g. no TPU runtime probe (and its memory) on a CPU bench
-    from rag_jax.evaluation.timing import cpu_threads
+    from rag_jax.evaluation.timing import clock_fn, cpu_threads
     cpu_threads(args.threads)  # read when the XLA backend starts, not at import
     if impl == "hf":
         import torch
@@ -92,7 +91,7 @@ def worker(impl: str, length: int, args) -> dict:
 
         def run():
             return compiled(state, toks, pos, seg).block_until_ready()
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = clock_fn(args.clock)
     seconds = _time(run, args.repeats, warmup=impl == "hf", clock=clock)
     return dict(impl=impl, tokens=length, seconds=seconds, tokens_per_s=length / seconds, load_mb=load,
                 peak_mb=_peak_mb())

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -41,7 +40,7 @@ from flax import nnx
 
 from rag_jax.evaluation.args import ScriptParser, add_model_dims, int_list, integer, model_dims, model_source
 from rag_jax.evaluation.tables import table
-from rag_jax.evaluation.timing import cpu_threads, median_ms
+from rag_jax.evaluation.timing import clock_fn, cpu_threads, median_ms
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.kv_store import KVStore
 from rag_jax.model import ModelConfig, Transformer
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
                         "a shared, oversubscribed machine does not inflate (use with --threads 1)")
     p.add_argument("--seed", type=integer(0), default=0)
     args = p.parse_args(argv)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = clock_fn(args.clock)
     cpu_threads(args.threads)  # read when the XLA backend starts, not at import
     sizes = args.sizes
     if min(sizes) <= args.last_len:
