@@ -35,13 +35,13 @@ Measured (SmolLM2-135M-Instruct Q4_1 GGUF, trained context 8,192; ``em_llm_smoll
 n_mem 256, chunk 128, events 8-64 tokens, repr_topk 4; seed 0, depths evenly spread; 2 shared CPU cores). Passkey,
 repeat filler, 10 prompts per length at 4K-16K and 5 at 32K and 64K: em_llm 10/10, 10/10, 10/10, 5/5, 5/5; full
 attention 4/10 at 4K and 1/10 at 8K (it fits the trained context but fails); inf_llm (64-token blocks) 9/10 at 4K,
-10/10 at 8K and 16K; sliding window 0/10. A 64K prompt took 8-11 minutes. The 75-key KV file (5.4K tokens) and
-the haystack are past this model with any method: KV 0/5 for em_llm, inf_llm and full alike (mostly UUIDs that are not in the
-context); haystack at 2K / 4K: full 2/5 / 1/5, em_llm 2/5 / 0/5, inf_llm 1/5 / 0/5 (about half the wrong replies are
-another person's attribute, the rest invented), 0/5 at 16K and 0/3 at 32K. EM-LLM prompt tokens/s on a quieter
-machine (incl. 8 decoded tokens): ~200 at 4K, ~155 at 8K. With the reply forced up to the key's first digit, full
-attention gives the digit p = 0.98 at 4K (EM-LLM 0.94, contiguous positions 0.99): retrieval heads of layers 18-23
-put up to 0.9-0.99 of their mass on the key under both; full attention fails one step earlier, choosing a word
+10/10 at 8K and 16K; sliding window 0/10. A 64K prompt took 8-11 minutes. The 75-key KV file (5.4K tokens) and the
+haystack are past this model with any method: KV 0/5 for em_llm, inf_llm and full alike (mostly UUIDs that are not
+in the context); haystack at 2K / 4K: full 2/5 / 1/5, em_llm 2/5 / 0/5, inf_llm 1/5 / 0/5 (about half the wrong
+replies are another person's attribute, the rest invented), 0/5 at 16K and 0/3 at 32K. EM-LLM prompt tokens/s on a
+quieter machine (incl. 8 decoded tokens): ~200 at 4K, ~155 at 8K. With the reply forced up to the key's first digit,
+full attention gives the digit p = 0.98 at 4K (EM-LLM 0.94, contiguous positions 0.99): retrieval heads of layers
+18-23 put up to 0.9-0.99 of their mass on the key under both; full attention fails one step earlier, choosing a word
 (" the", " a") over the space that starts a number. Example::
 
     rag-jax eval long_context --model smollm2-135m-instruct --lengths 2048 4096 8192 --samples 4 \\
