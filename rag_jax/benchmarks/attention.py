@@ -58,12 +58,14 @@ def _time(fn, repeats: int, warmup: bool, clock) -> float:
 
 def _head_dims(args) -> tuple[int, int, int]:
     """(num_heads, num_kv_heads, head_dim) of the toy config or of ``--hf_dir``'s config.json."""
+    from rag_jax.model import ModelConfig
+    from rag_jax.model.hf import config_from_hf
     if args.toy:
-        return TOY["num_heads"], TOY["num_kv_heads"], TOY["hidden_size"] // TOY["num_heads"]
-    with open(os.path.join(args.hf_dir, "config.json")) as f:
-        hf = json.load(f)
-    heads = hf["num_attention_heads"]
-    return heads, hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads
+        cfg = ModelConfig(**TOY)
+    else:
+        with open(os.path.join(args.hf_dir, "config.json")) as f:
+            cfg = config_from_hf(json.load(f))[0]
+    return cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
 
 def kernel_run(impl: str, length: int, args):
@@ -100,17 +102,14 @@ def worker(impl: str, length: int, args) -> dict:
     os.environ["JAX_PLATFORMS"] = args.platform  # e.g. no TPU runtime probe (and its memory) on a CPU bench
     from rag_jax.evaluation.timing import clock_fn, cpu_threads
     cpu_threads(args.threads)  # read when the XLA backend starts, not at import
+    if impl == "hf" and args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     if args.kernel:
-        if impl == "hf":
-            import torch
-            if args.threads:
-                torch.set_num_threads(args.threads)
         load = _rss_mb()
         run = kernel_run(impl, length, args)
     elif impl == "hf":
         import torch
-        if args.threads:
-            torch.set_num_threads(args.threads)
         from transformers import LlamaForCausalLM
         model = LlamaForCausalLM.from_pretrained(args.hf_dir, torch_dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
