@@ -175,3 +175,36 @@ def test_block_nq_evaluate_records_em_times_and_the_finetune_record(tmp_path):
     only_block = block_nq.evaluate({"": loaded}, examples, texts, [0, 1, 2], [0], [[3, 4]], [2], args)
     assert list(only_block) == ["block"] and list(only_block["block"]) == [2]
     assert "finetune" not in json.loads(args.out.read_text())
+
+
+def test_own_reply_targets_are_the_base_models_complete_greedy_replies(tmp_path):
+    """``--train-targets base``: each kept row's response is the model's greedy full-attention reply to that row's
+    prompt (decoded one prompt at a time here, batched and length-sorted there) + end of turn; replies cut at the
+    cap are dropped; the cache file answers a rerun without generating."""
+    from types import SimpleNamespace
+
+    from rag_jax.data.block_rag import BlockExample, encode
+    from rag_jax.evaluation import block_nq
+    from rag_jax.evaluation.rag import generate_answers
+    from rag_jax.inference.block_attention import BlockAttention
+    cfg = dataclasses.replace(CFG, max_seq_len=512)
+    loaded = LoadedModel(cfg, Transformer(cfg, rngs=nnx.Rngs(5)), "LlamaForCausalLM", byte_tokenizer(), TEMPLATE,
+                         (10,), {"eos_token": "\n"}, Path("tiny-chat"))
+    head = loaded.model.lm_head
+    head[...] = head[...].at[:, 10].set(head[...][:, 32:120].mean(axis=1) * 100)  # ends some replies early
+    rng = np.random.default_rng(3)
+    rows = [BlockExample([rng.integers(32, 120, int(n)).tolist() for n in rng.integers(3, 30, 4)], (65, 10))
+            for _ in range(12)]
+    args = SimpleNamespace(model="tiny", target_tokens=8, batch_size=5, targets_cache=tmp_path / "replies.json")
+    out = block_nq.own_reply_examples(loaded, rows, args)
+    ba = BlockAttention(loaded.model)
+    expected = []
+    for r in rows:
+        reply = generate_answers(ba, loaded.tokenizer, [r.blocks], mode="full", max_new_tokens=8, batch_size=1,
+                                 eos_id=(10,))[0]
+        if reply.strip() and len(encode(loaded.tokenizer, reply)) < 8:
+            expected.append(BlockExample(r.blocks, (*encode(loaded.tokenizer, reply), 10)))
+    assert 0 < len(expected) < len(rows)
+    assert out == expected
+    again = block_nq.own_reply_examples(dataclasses.replace(loaded, model=None), rows, args)  # no model: cache only
+    assert again == expected

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax.train.objectives.grit import (GritConfig, _gather_keep_local_grad, group_size, info_nce,
+from rag_jax.train.objectives.grit import (GritConfig, _gather_keep_local_grad, distill_kl, group_size, info_nce,
                                            info_nce_local_negatives, info_nce_sharded, next_token_loss)
 
 TEMP = 0.02
@@ -145,6 +145,31 @@ def test_mixed_and_token_reductions_differ_with_uneven_lengths():
     mixed = next_token_loss(logits, tokens, mask, reduction="mixed", sub_batch_size=2)[0]
     token = next_token_loss(logits, tokens, mask, reduction="token")[0]
     assert abs(float(mixed) - float(token)) > 1e-2
+
+
+def test_distill_kl_matches_numpy_float64():
+    rng = np.random.default_rng(11)
+    b, length, vocab = 3, 7, 17
+    logits = 2 * rng.standard_normal((b, length, vocab))
+    teacher = 2 * rng.standard_normal((b, length, vocab))
+    mask = (rng.random((b, length)) < 0.7).astype(np.int32)
+    mask[1] = 0
+    log_p = teacher - np.log(np.exp(teacher).sum(-1, keepdims=True))
+    log_q = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ref = ((np.exp(log_p) * (log_p - log_q)).sum(-1) * mask).sum() / mask.sum()
+    got = distill_kl(jnp.asarray(logits, jnp.float32), jnp.asarray(teacher, jnp.float32), jnp.asarray(mask))
+    np.testing.assert_allclose(float(got), ref, rtol=1e-5)
+    assert ref > 0.5
+    assert float(distill_kl(jnp.asarray(teacher, jnp.float32), jnp.asarray(teacher, jnp.float32),
+                            jnp.asarray(mask))) < 1e-6
+    # the teacher gets no gradient; the model's gradient is softmax(logits) - softmax(teacher), over the count
+    g_model, g_teacher = jax.grad(distill_kl, argnums=(0, 1))(jnp.asarray(logits, jnp.float32),
+                                                             jnp.asarray(teacher, jnp.float32), jnp.asarray(mask))
+    assert float(jnp.abs(g_teacher).max()) == 0.0
+    ref_grad = (np.exp(log_q) - np.exp(log_p)) * mask[..., None] / mask.sum()
+    np.testing.assert_allclose(np.asarray(g_model), ref_grad, atol=1e-6)
+    with pytest.raises(ValueError, match="must agree"):
+        distill_kl(jnp.ones((2, 3, 4)), jnp.ones((2, 3, 5)), jnp.ones((2, 3)))
 
 
 def test_loss_input_errors():

@@ -176,6 +176,34 @@ def test_unified_loss_fn_is_rep_plus_lambda_gen(model):
     assert float(rep) > 0.1 and float(gen) > 0.1
 
 
+def test_kl_term_is_distillation_to_the_teachers_hidden_states(model):
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng)
+    pos = jnp.broadcast_to(jnp.arange(10), batch["gen_tokens"].shape)
+    out = forward(model, batch["gen_tokens"], pos, batch["gen_attention_mask"])
+    teacher_hidden = jnp.asarray(rng.standard_normal(out.hidden.shape), jnp.float32)
+    cfg = GritConfig(loss_gen_type="token", loss_gen_factor=0.5, gen_kl_factor=2.0, gen_window=4)
+    loss, metrics = jax.jit(GritLoss(cfg))(model, {**batch, "gen_teacher_hidden": teacher_hidden})
+    _, plain = jax.jit(GritLoss(GritConfig(loss_gen_type="token", loss_gen_factor=0.5)))(model, batch)
+    # float64 NumPy KL over every real generative position, teacher logits = the model's head on its hidden states
+    head = np.asarray(model.embedding[...].T if model.config.tie_embeddings else model.lm_head[...], np.float64)
+    log_p = np.asarray(teacher_hidden, np.float64) @ head
+    log_q = np.asarray(out.logits, np.float64)
+    log_p, log_q = (x - np.log(np.exp(x).sum(-1, keepdims=True)) for x in (log_p, log_q))
+    mask = np.asarray(batch["gen_attention_mask"])
+    ref = ((np.exp(log_p) * (log_p - log_q)).sum(-1) * mask).sum() / mask.sum()
+    np.testing.assert_allclose(float(metrics["loss_kl"]), ref, rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["loss_gen"]), float(plain["loss_gen"]), rtol=1e-5)
+    np.testing.assert_allclose(float(loss), float(plain["loss"]) + 2.0 * ref, rtol=1e-4)
+    # the model's own hidden states as the teacher: no KL
+    _, same = jax.jit(GritLoss(cfg))(model, {**batch, "gen_teacher_hidden": out.hidden})
+    assert abs(float(same["loss_kl"])) < 1e-5
+    with pytest.raises(ValueError, match="needs gen_teacher_hidden"):
+        GritLoss(cfg)(model, batch)
+    with pytest.raises(ValueError, match="gen_kl_factor"):
+        GritConfig(mode="embedding", gen_kl_factor=1.0)
+
+
 def test_train_step_both_passes_and_cross_device_negatives(model):
     """The training helper's jitted train step over one model state runs both passes; with the batch on an
     8-device (data=2, fsdp=4) mesh, the shard_map cross-device InfoNCE gives the same loss and update as

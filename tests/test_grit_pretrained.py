@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from rag_jax.data.loaders import NQExample, Passage
-from rag_jax.evaluation.grit_pretrained import complete_replies, discordant, gold_ranks, hard_negatives, recall, split_nq
+from rag_jax.evaluation.grit_pretrained import discordant, gold_ranks, hard_negatives, recall, split_nq
+from rag_jax.evaluation.rag import complete_replies, memo_json
 
 
 def _examples(n=60, passages=25, seed=0):
@@ -59,3 +60,16 @@ def test_complete_replies_by_token_count():
     tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     assert complete_replies(tok, ["a b", "a b a", "a", "b b b b"], 3) == [True, False, True, False]
+
+
+def test_memo_json_computes_each_key_once(tmp_path):
+    calls = []
+
+    def compute(todo):
+        calls.append(list(todo))
+        return [k.upper() * 2 for k in todo]
+    path = tmp_path / "sub" / "memo.json"
+    assert memo_json(path, ["a", "b", "a"], compute) == ["AA", "BB", "AA"]
+    assert memo_json(path, ["c", "b"], compute) == ["CC", "BB"]
+    assert calls == [["a", "b"], ["c"]]
+    assert memo_json(None, ["x"], compute) == ["XX"]

@@ -118,6 +118,27 @@ def training_examples(chat, eos_id: int, examples, texts, gold_ids, questions, n
     return out, dropped
 
 
+def own_reply_examples(loaded, rows, args) -> list:
+    """``rows`` (``BlockExample``) with the base model's own greedy full-attention reply to each prompt as the
+    response (+ end of turn), dropping rows whose reply is empty or was cut at ``args.target_tokens``. Trained on
+    these, block mode learns to answer as full attention does and full mode keeps its reply style (gold NQ
+    answers are terser than this chat model's replies: trained on them, the model learned the format before
+    the content). Replies are kept in ``args.targets_cache`` when set."""
+    from rag_jax.data.block_rag import BlockExample, encode
+    from rag_jax.evaluation.rag import complete_replies, greedy_replies, memo_json
+
+    keys = [json.dumps([str(args.model), args.target_tokens, r.blocks]) for r in rows]
+    replies = memo_json(args.targets_cache, keys, lambda todo: greedy_replies(
+        loaded, loaded.model, [json.loads(k)[2] for k in todo], max_new_tokens=args.target_tokens,
+        batch_size=args.batch_size))
+    ok = complete_replies(loaded.tokenizer, replies, args.target_tokens)
+    out = [BlockExample(r.blocks, (*encode(loaded.tokenizer, t), loaded.eos_ids[0]))
+           for r, t, k in zip(rows, replies, ok) if k and t.strip()]
+    print(f"base-model targets: {len(out)} of {len(rows)} rows kept (reply complete within {args.target_tokens} "
+          f"tokens)", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = ScriptParser(prog="rag-jax eval block_nq", description=__doc__)
     p.add_argument("--model", type=model_source, default="smollm2-135m-instruct",
@@ -151,6 +172,12 @@ def main(argv=None) -> int:
                     help="training row length in tokens; longer rows dropped")
     ft.add_argument("--lr", type=real(0, lo_open=True), default=d.learning_rate)
     ft.add_argument("--warmup", type=integer(0), default=d.warmup_steps)
+    ft.add_argument("--train-targets", choices=("gold", "base"), default="gold",
+                    help="responses: the first gold answer, or the base model's own greedy full-attention reply to "
+                         "the training prompt (rows whose reply was cut at --target-tokens are dropped)")
+    ft.add_argument("--target-tokens", type=integer(1), default=48, help="with --train-targets base: reply cap")
+    ft.add_argument("--targets-cache", type=output_file, default=None,
+                    help="with --train-targets base: JSON keeping the base replies for reruns")
     ft.add_argument("--skip-base", action="store_true", help="evaluate only the tuned model")
     args = p.parse_args(argv)
     positions = args.positions
@@ -188,12 +215,18 @@ def main(argv=None) -> int:
     info: dict = {}                               # fine-tuning record for --out
     models = {"": loaded} if args.finetune_steps == 0 else {" (no FT)": loaded}
     if finetune_cfg is not None:
-        # One pass over `steps x batch` training questions (a few more, for dropped ones).
-        order = np.random.default_rng(args.seed).permutation(train)[:finetune_cfg.steps * finetune_cfg.batch_size + 16]
+        # One pass over `steps x batch` training questions (more, for dropped ones).
+        wanted = finetune_cfg.steps * finetune_cfg.batch_size
+        base_targets = args.train_targets == "base"
+        order = np.random.default_rng(args.seed).permutation(train)[:int(wanted * (1.5 if base_targets else 1)) + 16]
         train_neg = mine_negatives(emb, index, pool, examples, gold_ids, order.tolist(), args.train_passages - 1)
         rows, dropped = training_examples(ChatBlocks(loaded), loaded.eos_ids[0], examples, texts, gold_ids,
-                                          order.tolist(), train_neg, finetune_cfg.seq_len, args.seed)
-        rows = rows[:finetune_cfg.steps * finetune_cfg.batch_size]
+                                          order.tolist(), train_neg,
+                                          finetune_cfg.seq_len - (args.target_tokens + 1 if base_targets else 0),
+                                          args.seed)
+        if base_targets:
+            rows = own_reply_examples(loaded, rows[:int(wanted * 1.5)], args)
+        rows = rows[:wanted]
         print(f"fine-tuning: {len(rows)} training questions ({dropped} dropped: gold passage alone > "
               f"{finetune_cfg.seq_len} tokens), {np.mean([len(r.blocks) - 2 for r in rows]):.1f} passages and "
               f"{np.mean([r.num_tokens for r in rows]):.0f} tokens per row; {finetune_cfg}", flush=True)

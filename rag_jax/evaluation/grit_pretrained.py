@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -119,13 +120,6 @@ def discordant(ranks_a: Sequence[int], ranks_b: Sequence[int], k: int) -> tuple[
     return a, b, (binomtest(a, a + b).pvalue if a + b else 1.0)
 
 
-def complete_replies(tokenizer, replies: Sequence[str], max_new_tokens: int) -> list[bool]:
-    """Per greedy reply: True when it ended before the ``max_new_tokens`` cap (its re-encoded text is shorter),
-    False when generation was cut there. A cut reply used as a generative target is followed by the
-    end-of-turn token in the training row, which teaches the model to stop mid-sentence."""
-    return [len(tokenizer.encode(r, add_special_tokens=False).ids) < max_new_tokens for r in replies]
-
-
 def hard_negatives(scores: np.ndarray, gold: Sequence[int], excluded: Sequence[set[int]], n: int) -> list[list[int]]:
     """Per row of ``scores [queries, passages]``: the ``n`` best-scored passages other than ``gold[i]`` and
     ``excluded[i]`` (passages that contain an answer), best first.
@@ -148,14 +142,20 @@ def oracle_prompt(question: str, passage: str) -> str:
     return ANSWER_INSTRUCTION + PASSAGE.format(text=passage.strip()) + QUESTION.format(question=question)
 
 
-def with_inputs_embeds(batch: dict[str, np.ndarray], frozen) -> dict[str, np.ndarray]:
-    """A GRIT batch plus the frozen bottom's ``{query,passage,gen}_inputs_embeds`` for the streams it has."""
+def with_inputs_embeds(batch: dict[str, np.ndarray], frozen, teacher=None) -> dict[str, np.ndarray]:
+    """A GRIT batch plus the frozen bottom's ``{query,passage,gen}_inputs_embeds`` for the streams it has, and
+    with ``teacher = (FrozenBottom of the whole base model, its final norm)`` the ``gen_teacher_hidden`` of
+    ``GritConfig.gen_kl_factor`` (the base model's hidden states after its final norm)."""
     modes = {"query": "bidirectional", "passage": "bidirectional", "gen": "causal"}
     out = dict(batch)
     for side, mode in modes.items():
         if f"{side}_tokens" in batch:
             out[f"{side}_inputs_embeds"] = frozen.inputs_embeds(mode, batch[f"{side}_tokens"],
                                                                 batch[f"{side}_attention_mask"])
+    if teacher is not None and "gen_tokens" in batch:
+        base, final_norm = teacher
+        residual = base.inputs_embeds("causal", batch["gen_tokens"], batch["gen_attention_mask"])
+        out["gen_teacher_hidden"] = np.asarray(final_norm(jnp.asarray(residual)))
     return out
 
 
@@ -166,9 +166,11 @@ RECIPE_ARGS = ("model", "data", "eval_questions", "train_questions", "gen_train"
                "gen_factor")
 
 
-def train_top(args, mode: str, top, frozen, emb_records, gen_records, tokenizer, fmt, data_cfg, gen_window: int):
+def train_top(args, mode: str, top, frozen, emb_records, gen_records, tokenizer, fmt, data_cfg, gen_window: int,
+              teacher=None):
     """Train the top model in GRIT ``mode`` in the run folder ``<cache-dir>/top_<mode>_<recipe hash>`` (a finished
-    run is loaded, not retrained) -> ``(trained top params, TrainResult)``."""
+    run is loaded, not retrained) -> ``(trained top params, TrainResult)``. ``teacher``: see ``with_inputs_embeds``
+    (unified mode with ``--kl-factor``)."""
     import hashlib
 
     from rag_jax import sharding
@@ -180,10 +182,14 @@ def train_top(args, mode: str, top, frozen, emb_records, gen_records, tokenizer,
     recipe = {k: str(getattr(args, k)) for k in RECIPE_ARGS}
     if args.complete_targets:  # only when set: the recipes (run folders) of earlier runs keep their names
         recipe["complete_targets"] = "True"
+    kl_factor = args.kl_factor if mode == "unified" else 0.0
+    if kl_factor:
+        recipe["kl_factor"] = str(kl_factor)
     run_dir = args.cache_dir / f"top_{mode}_{hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]}"
     batches = grit_batches(emb_records, gen_records if mode == "unified" else None, tokenizer, data_cfg, fmt)
     loss_fn = GritLoss(GritConfig(mode=mode, temperature=args.temperature, loss_gen_factor=args.gen_factor,
-                                  gen_window=gen_window))
+                                  gen_window=gen_window, gen_kl_factor=kl_factor))
+    teacher = teacher if kl_factor else None
     run_cfg = trainer.RunConfig(
         model=top.config, mesh=sharding.MeshConfig(data=1, fsdp=-1, tensor=1),
         optimizer=optim.OptimizerConfig(learning_rate=args.lr, warmup_steps=args.warmup, weight_decay=0.0,
@@ -192,46 +198,33 @@ def train_top(args, mode: str, top, frozen, emb_records, gen_records, tokenizer,
                                   run_dir=str(run_dir)),
         checkpoint=checkpoint.CheckpointConfig(save_every=args.steps, keep=1, async_save=False),
         logging=trainer.LoggingConfig(tensorboard=False))
-    task = trainer.Task(loss_fn, lambda step: with_inputs_embeds(next(batches), frozen), name=f"GRIT {mode}",
-                        progress_keys=("loss_rep", "loss_gen", "rep_accuracy"))
+    task = trainer.Task(loss_fn, lambda step: with_inputs_embeds(next(batches), frozen, teacher), name=f"GRIT {mode}",
+                        progress_keys=("loss_rep", "loss_gen", "rep_accuracy", *(("loss_kl",) if kl_factor else ())))
     result = trainer.run(run_cfg, task, init_params=nnx.state(top, nnx.Param),
                          extra_config={"grit_pretrained": {"mode": mode, **recipe}})
     return result.state.params, result
 
 
 def answers(loaded, model, pairs: Sequence[tuple[str, str]], args) -> list[str]:
-    """Greedy replies of ``model`` (with ``loaded``'s tokenizer and chat template) to the demo's RAG prompt with one
-    passage, per ``(question, passage)`` (``rag_jax.demo.real_model.ChatBlocks``, full attention; prompts of
-    similar length are batched together)."""
+    """Greedy replies of ``model`` to the demo's RAG prompt with one passage, per ``(question, passage)``
+    (``rag_jax.demo.real_model.ChatBlocks``, full attention)."""
     from rag_jax.demo.real_model import ChatBlocks
-    from rag_jax.evaluation.rag import generate_answers
-    from rag_jax.inference.block_attention import BlockAttention
+    from rag_jax.evaluation.rag import greedy_replies
 
     chat = ChatBlocks(loaded)
-    prompts = [chat.blocks(q, [passage]) for q, passage in pairs]
-    order = np.argsort([sum(map(len, b)) for b in prompts], kind="stable")
-    preds = generate_answers(BlockAttention(model), loaded.tokenizer, [prompts[i] for i in order], mode="full",
-                             max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size, eos_id=loaded.eos_ids)
-    out = [""] * len(prompts)
-    for i, pred in zip(order, preds):
-        out[i] = pred
-    return out
+    return greedy_replies(loaded, model, [chat.blocks(q, [passage]) for q, passage in pairs],
+                          max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size)
 
 
 def base_targets(loaded, pairs: Sequence[tuple[str, str]], args) -> list[str]:
     """The base model's own greedy replies to the generative training prompts (``--gen-targets base``), kept in
     ``<cache-dir>/base_replies.json`` (keyed by model, prompt and length) so a rerun does not regenerate them."""
-    from rag_jax.atomic import write_text
+    from rag_jax.evaluation.rag import memo_json
 
-    path = args.cache_dir / "base_replies.json"
-    cache = json.loads(path.read_text()) if path.is_file() else {}
-    key = lambda q, passage: json.dumps([args.model, args.max_new_tokens, q, passage])  # noqa: E731
-    todo = [pair for pair in pairs if key(*pair) not in cache]
-    if todo:
-        cache.update({key(*pair): reply for pair, reply in zip(todo, answers(loaded, loaded.model, todo, args))})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text(path, json.dumps(cache, indent=0))
-    return [cache[key(*pair)] for pair in pairs]
+    keys = [json.dumps([args.model, args.max_new_tokens, q, passage]) for q, passage in pairs]
+    by_key = dict(zip(keys, pairs))
+    return memo_json(args.cache_dir / "base_replies.json", keys,
+                     lambda todo: answers(loaded, loaded.model, [by_key[k] for k in todo], args))
 
 
 def main(argv=None) -> int:
@@ -265,6 +258,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=integer(0), default=10)
     p.add_argument("--temperature", type=real(0, lo_open=True), default=0.02)
     p.add_argument("--gen-factor", type=real(0), default=1.0, help="lambda_Gen")
+    p.add_argument("--kl-factor", type=real(0), default=0.0,
+                   help="unified: weight of KL(base model || tuned) on every position of the generative rows "
+                        "(GritConfig.gen_kl_factor; needs tied embeddings); 0 = off")
     p.add_argument("--modes", type=names(("unified", "embedding")), default="unified,embedding",
                    help="tuned models: unified, embedding")
     p.add_argument("--em-questions", type=integer(0), default=None,
@@ -280,6 +276,7 @@ def main(argv=None) -> int:
 
     from rag_jax.data.grit import ChatGritFormat, GritDataConfig, tokenize_generative_record
     from rag_jax.evaluation.grit_eval import answer_window
+    from rag_jax.evaluation.rag import complete_replies
     from rag_jax.evaluation.timing import StageTimer
     from rag_jax.metrics import best_subspan_em
     from rag_jax.model.embedding import tokenize_for_embedding
@@ -287,9 +284,12 @@ def main(argv=None) -> int:
     from rag_jax.train.frozen_bottom import FrozenBottom, merge_top, split_model
 
     timer = StageTimer()
+    loaded = load_model(args.model)
+    if args.kl_factor and not loaded.config.tie_embeddings:
+        p.error(f"argument --kl-factor: {args.model} has an untied output head, which the top model trains; the "
+                "KL term reads the teacher's logits through the model's head, so it needs tied embeddings")
     split = split_nq(load_nq_oracle(args.data), eval_questions=args.eval_questions,
                      train_questions=args.train_questions, pool=args.pool, seed=args.seed)
-    loaded = load_model(args.model)
     fmt = ChatGritFormat.from_loaded(loaded)
     tok = loaded.tokenizer
     train_passages = list(dict.fromkeys(split.gold[i] for i in split.train))
@@ -340,6 +340,18 @@ def main(argv=None) -> int:
         cache.parent.mkdir(parents=True, exist_ok=True)
         frozen.save(cache)
     del bottom
+    teacher = None
+    if args.kl_factor and "unified" in modes:  # the base model's last residual on the generative rows
+        base = FrozenBottom(loaded.model, fingerprint=f"{loaded.source}|teacher")
+        path = args.cache_dir / "teacher.npz"
+        if path.is_file():
+            base.load(path)
+        before = len(base)
+        base.precompute("causal", [r["gen_tokens"][:int(r["gen_attention_mask"].sum())] for r in gen_rows],
+                        desc="base model: generative rows")
+        if len(base) > before:
+            base.save(path)
+        teacher = (base, top.final_norm)  # `top` keeps the base parameters (training copies them)
     timer.stage("frozen bottom")
 
     top_graphdef, base_params = nnx.split(top)
@@ -375,7 +387,7 @@ def main(argv=None) -> int:
     tuned = {}
     for mode in modes:
         tuned[mode], res = train_top(args, mode, top, frozen, emb_records, gen_records, tok, fmt, data_cfg,
-                                     gen_window)
+                                     gen_window, teacher)
         evaluate(mode, tuned[mode])
         last = res.history[-1] if res.history else {}
         # Largest parameter change of the top model (a check that the evaluated model is the trained one).
@@ -384,7 +396,7 @@ def main(argv=None) -> int:
         results[mode]["max_param_change"] = max(jax.tree.leaves(change))
         print(f"  {mode}: max |parameter change| {results[mode]['max_param_change']:.2e}", flush=True)
         results[mode].update(train_s=last.get("elapsed_s", float("nan")), step_s=last.get("step_time_s", float("nan")),
-                             **{k: last[k] for k in ("loss_rep", "loss_gen", "rep_accuracy") if k in last})
+                             **{k: last[k] for k in ("loss_rep", "loss_gen", "loss_kl", "rep_accuracy") if k in last})
         timer.stage(f"train {mode}")
 
     if not args.no_minilm:

@@ -95,6 +95,50 @@ def generate_answers(block_attention, tokenizer, prompts: Sequence[Sequence[Sequ
     return [tokenizer.decode(r[:n], skip_special_tokens=True).strip() for r, n in zip(rows, cut)]
 
 
+def greedy_replies(loaded, model, prompts: Sequence[Sequence[Sequence[int]]], *, max_new_tokens: int,
+                   batch_size: int) -> list[str]:
+    """Greedy full-attention replies of ``model`` (with ``loaded``'s tokenizer and end-of-turn ids) to chat prompts
+    given as blocks of token ids (``rag_jax.demo.real_model.ChatBlocks.blocks``), in input order; prompts of
+    similar length are batched together (less padding)."""
+    from rag_jax.inference.block_attention import BlockAttention
+
+    order = np.argsort([sum(map(len, b)) for b in prompts], kind="stable")
+    preds = generate_answers(BlockAttention(model), loaded.tokenizer, [prompts[i] for i in order], mode="full",
+                             max_new_tokens=max_new_tokens, batch_size=batch_size, eos_id=loaded.eos_ids)
+    out = [""] * len(prompts)
+    for i, pred in zip(order, preds):
+        out[i] = pred
+    return out
+
+
+def complete_replies(tokenizer, replies: Sequence[str], max_new_tokens: int) -> list[bool]:
+    """Per greedy reply: True when it ended before the ``max_new_tokens`` cap (its re-encoded text is shorter),
+    False when generation was cut there. A cut reply used as a training target is followed by the end-of-turn
+    token in the training row, which teaches the model to stop mid-sentence."""
+    return [len(tokenizer.encode(r, add_special_tokens=False).ids) < max_new_tokens for r in replies]
+
+
+def memo_json(path, keys: Sequence[str], compute) -> list:
+    """``compute(missing keys) -> values`` for the ``keys`` not yet in the JSON object at ``path`` (None: no file,
+    compute all), stored there (written atomically) so a rerun does not recompute them; the values of ``keys``
+    in order."""
+    import json
+    from pathlib import Path
+
+    from rag_jax.atomic import write_text
+
+    if path is None:
+        return list(compute(list(keys)))
+    path = Path(path)
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    todo = list(dict.fromkeys(k for k in keys if k not in cache))
+    if todo:
+        cache.update(zip(todo, compute(todo)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps(cache, indent=0))
+    return [cache[k] for k in keys]
+
+
 
 def ttft_curve(block_attention, tokenizer, passages: Sequence[str], question: str, sizes: Sequence[int],
                repeats: int, progress: bool = False, last: Sequence[int] | None = None) -> list[dict]:

@@ -20,6 +20,13 @@
   ``"mixed"`` (GritLM-7B): token-mean within sub-batches of ``gen_sub_batch_size`` samples, then the
   mean over sub-batches ("Mix (32 → 8)", notes §1.2). ``"token"`` (GritLM-8x7B): sum of token
   losses / number of samples.
+- ``L_KL`` (ours, off by default; not in GritLM): ``KL(p_teacher ‖ p_model)`` per real position of the
+  generative rows, token-mean, weighted by ``gen_kl_factor`` (distillation to a frozen teacher, as in
+  Learning without Forgetting, Li & Hoiem 2016). GritLM keeps generation by training on Tülu 2 instruction
+  data with all parameters; when a pretrained model is GRIT-tuned on a CPU budget (a few shared top layers,
+  a few hundred generative rows), the contrastive loss pulls the shared layers away from the base model's
+  generation, and the base model's full next-token distribution at every prompt and response position is
+  a denser anchor than hard targets on the response alone.
 
 Both passes run on the same model state inside one jitted train step: the embedding pass
 (``mode="bidirectional"``) on queries and passages and the generative pass (``mode="causal"``) on
@@ -69,6 +76,7 @@ class GritConfig:
     negatives_cross_device: bool = True
     data_axes: tuple[str, ...] = ("data", "fsdp")
     gen_window: int | None = None
+    gen_kl_factor: float = 0.0
 
     def __post_init__(self):
         if self.gen_window is not None and self.gen_window < 2:
@@ -79,6 +87,10 @@ class GritConfig:
             raise ValueError(f"GritConfig.loss_gen_type={self.loss_gen_type!r}; valid: {GEN_REDUCTIONS}")
         if not self.temperature > 0:
             raise ValueError(f"GritConfig.temperature={self.temperature} must be > 0")
+        if not self.gen_kl_factor >= 0:
+            raise ValueError(f"GritConfig.gen_kl_factor={self.gen_kl_factor} must be >= 0")
+        if self.gen_kl_factor > 0 and self.mode == "embedding":
+            raise ValueError("GritConfig.gen_kl_factor > 0 needs a generative pass; mode='embedding' has none")
         if self.loss_gen_factor < 0:
             raise ValueError(f"GritConfig.loss_gen_factor={self.loss_gen_factor} must be >= 0")
         if self.gen_sub_batch_size is not None and self.gen_sub_batch_size < 1:
@@ -211,6 +223,30 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array, 
     return group_mean.sum() / jnp.maximum(has.sum(), 1), accuracy
 
 
+def distill_kl(logits: jax.Array, teacher_logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Token-mean ``KL(softmax(teacher) ‖ softmax(logits))`` over the positions where ``mask`` is nonzero (nats).
+
+    Args:
+      logits: float ``[B, L, vocab]`` of the trained model.
+      teacher_logits: float ``[B, L, vocab]`` of the frozen teacher (no gradient flows into it).
+      mask: ``[B, L]``, nonzero at the positions counted.
+
+    Returns:
+      float32 scalar (0 when ``mask`` is all zero).
+
+    Raises:
+      ValueError: shapes that do not agree.
+    """
+    if logits.shape != teacher_logits.shape or tuple(mask.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"logits {tuple(logits.shape)}, teacher_logits {tuple(teacher_logits.shape)} and mask "
+                         f"{tuple(mask.shape)} must agree on [batch, seq(, vocab)]")
+    log_p = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32), axis=-1)
+    log_q = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    m = (mask != 0).astype(jnp.float32)
+    return jnp.sum(kl * m) / jnp.maximum(m.sum(), 1.0)
+
+
 EMBEDDING_KEYS = ("query_tokens", "query_attention_mask", "query_pool_mask",
                   "passage_tokens", "passage_attention_mask", "passage_pool_mask")
 GENERATIVE_KEYS = ("gen_tokens", "gen_attention_mask", "gen_loss_mask")
@@ -232,6 +268,13 @@ def check_batch(config: GritConfig, batch: dict) -> None:
         shapes = {k: tuple(batch[k].shape) for k in keys}
         if len(set(shapes.values())) > 1:
             raise ValueError(f"{prefix} arrays must share one [batch, seq] shape; got {shapes}")
+    if config.gen_kl_factor > 0:
+        if "gen_teacher_hidden" not in batch:
+            raise ValueError("GritConfig.gen_kl_factor > 0 needs gen_teacher_hidden [rows, seq, hidden] in the batch "
+                             f"(the teacher's hidden states after its final norm); it has {sorted(batch)}")
+        if tuple(batch["gen_teacher_hidden"].shape[:2]) != tuple(batch["gen_tokens"].shape):
+            raise ValueError(f"gen_teacher_hidden shape {tuple(batch['gen_teacher_hidden'].shape)} must be "
+                             f"[rows, seq, hidden] with [rows, seq] = {tuple(batch['gen_tokens'].shape)}")
     if config.mode != "generative":
         group_size(batch["query_tokens"].shape[0], batch["passage_tokens"].shape[0])
 
@@ -246,15 +289,18 @@ class GritLoss:
       ``passage_tokens/passage_attention_mask/passage_pool_mask`` ``[B·G, Lp]``,
       ``gen_tokens/gen_attention_mask/gen_loss_mask`` ``[Bg, Lg]``; optionally ``query_inputs_embeds``,
       ``passage_inputs_embeds``, ``gen_inputs_embeds`` float ``[rows, L, hidden]``: the first-layer inputs
-      instead of the token embeddings (a frozen bottom's output, ``rag_jax.train.frozen_bottom``).
+      instead of the token embeddings (a frozen bottom's output, ``rag_jax.train.frozen_bottom``);
+      ``gen_teacher_hidden`` float ``[Bg, Lg, hidden]`` (with ``gen_kl_factor``): a frozen teacher's hidden states
+      after its final norm; the teacher's logits are this model's output head applied to them, so the head must
+      be frozen (a tied embedding that is not trained, as in ``frozen_bottom.TOP_TRAINABLE``).
     With ``mesh`` the contrastive loss runs under ``shard_map`` over ``config.data_axes`` (cross-device
     negatives or shard-local ones per ``negatives_cross_device``); without a mesh it is computed on the
     global batch, where every negative is visible (``negatives_cross_device=False`` then needs a mesh).
     The contrastive loss does not decompose over micro-batches: use ``grad_accum_steps=1`` (the
     reference uses GradCache for accumulation, notes §5).
 
-    Metrics: ``loss``, ``loss_rep``, ``loss_gen`` (unweighted), ``rep_accuracy`` (positive ranked first),
-    ``gen_accuracy`` (next-token accuracy on targets).
+    Metrics: ``loss``, ``loss_rep``, ``loss_gen``, ``loss_kl`` (unweighted), ``rep_accuracy`` (positive ranked
+    first), ``gen_accuracy`` (next-token accuracy on targets).
 
     Raises:
       ValueError: ``negatives_cross_device=False`` without a mesh; at trace time, a bad batch (``check_batch``).
@@ -290,12 +336,18 @@ class GritLoss:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
             hidden = model(tokens, positions, attn, mode="causal", inputs_embeds=batch.get("gen_inputs_embeds")).hidden
             loss_mask = batch["gen_loss_mask"] * attn
-            if config.gen_window is not None and config.gen_window < tokens.shape[1]:
+            windowed = config.gen_window is not None and config.gen_window < tokens.shape[1]
+            if windowed and config.gen_kl_factor == 0:  # L_KL needs every position
                 w = config.gen_window
                 idx = jnp.clip(attn.sum(axis=1) - w, 0, tokens.shape[1] - w)[:, None] + jnp.arange(w)
                 hidden = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)
                 tokens, loss_mask = (jnp.take_along_axis(x, idx, axis=1) for x in (tokens, loss_mask))
-            loss_gen, acc = next_token_loss(model.logits(hidden), tokens, loss_mask, reduction=config.loss_gen_type,
+            logits = model.logits(hidden)
+            if config.gen_kl_factor > 0:
+                teacher = model.logits(batch["gen_teacher_hidden"].astype(hidden.dtype))
+                metrics["loss_kl"] = distill_kl(logits, teacher, attn)
+                loss = loss + config.gen_kl_factor * metrics["loss_kl"]
+            loss_gen, acc = next_token_loss(logits, tokens, loss_mask, reduction=config.loss_gen_type,
                                             sub_batch_size=config.gen_sub_batch_size)
             metrics["loss_gen"] = loss_gen
             metrics["gen_accuracy"] = acc
