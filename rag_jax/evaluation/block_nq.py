@@ -47,6 +47,7 @@ from rag_jax.train.block_finetune import BlockFinetuneConfig, finetune
 
 
 MODES = ("full", "block")
+SPARE = 1.25  # --train-targets base: rows answered per row wanted (cut replies are dropped)
 
 
 def heldout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -218,14 +219,14 @@ def main(argv=None) -> int:
         # One pass over `steps x batch` training questions (more, for dropped ones).
         wanted = finetune_cfg.steps * finetune_cfg.batch_size
         base_targets = args.train_targets == "base"
-        order = np.random.default_rng(args.seed).permutation(train)[:int(wanted * (1.5 if base_targets else 1)) + 16]
+        order = np.random.default_rng(args.seed).permutation(train)[:int(wanted * (SPARE if base_targets else 1)) + 16]
         train_neg = mine_negatives(emb, index, pool, examples, gold_ids, order.tolist(), args.train_passages - 1)
         rows, dropped = training_examples(ChatBlocks(loaded), loaded.eos_ids[0], examples, texts, gold_ids,
                                           order.tolist(), train_neg,
                                           finetune_cfg.seq_len - (args.target_tokens + 1 if base_targets else 0),
                                           args.seed)
         if base_targets:
-            rows = own_reply_examples(loaded, rows[:int(wanted * 1.5)], args)
+            rows = own_reply_examples(loaded, rows[:int(wanted * SPARE)], args)
         rows = rows[:wanted]
         print(f"fine-tuning: {len(rows)} training questions ({dropped} dropped: gold passage alone > "
               f"{finetune_cfg.seq_len} tokens), {np.mean([len(r.blocks) - 2 for r in rows]):.1f} passages and "
