@@ -309,7 +309,10 @@ def main(argv=None) -> int:
             else [True] * len(targets))
     gen_records = [{"text": [oracle_prompt(q, context), t]} for (q, context), t, k in zip(pairs, targets, keep)
                    if t.strip() and k]
-    gen_rows = [tokenize_generative_record(r, tok, args.gen_len, fmt, i) for i, r in enumerate(gen_records)]
+    try:
+        gen_rows = [tokenize_generative_record(r, tok, args.gen_len, fmt, i) for i, r in enumerate(gen_records)]
+    except ValueError as e:  # a prompt longer than the row: name the flag that fixes it
+        p.error(f"argument --gen-len: {args.gen_len} tokens is too short for a generative row ({e})")
     # Batches padded to the longest row of each kind, not to the caps (every padded token costs compute).
     longest = lambda group: max(len(ids) for ids, _ in group)  # noqa: E731
     data_cfg = GritDataConfig(embedding_batch_size=args.batch_size, generative_batch_size=args.gen_batch_size,
