@@ -66,7 +66,7 @@ BAD_SCRIPT_INPUT = [
     ("eval", "grit_pretrained", ["--temperature", "0"], "--temperature"),
     ("eval", "grit_pretrained", ["--steps", "1.5"], "--steps"),
     ("eval", "grit_pretrained", ["--data", "{tmp}/a_folder"], "--data"),
-    # a generative row's prompt longer than --gen-len: found after loading the model (SmolLM2), before any compute
+    # a generative row's prompt longer than --gen-len: found after loading the model (SmolLM2), before training
     ("eval", "grit_pretrained", ["--gen-len", "16", "--gen-targets", "gold", "--eval-questions", "2",
                                  "--train-questions", "4", "--gen-train", "2", "--pool", "8", "--no-minilm",
                                  "--cache-dir", "{tmp}/grit"], "--gen-len"),

@@ -7,6 +7,10 @@ occupation, hobby, gender); (2) one templated article per person; (3) templated 
 answers are *all* solutions of a conjunctive query over the facts. This is our own pure-Python
 implementation: no Prolog, no CFG library, nothing downloaded (word lists are embedded below).
 
+One module (about 600 lines) on purpose: the fact base, the query evaluator, the article templates and the
+question sampler share the ``Person`` / ``FactBase`` types and one set of relation semantics (below); split
+apart, each piece would import the others' internals.
+
 Output shapes match the official generator's ``articles.json`` / ``questions.json``
 (``shared/data/phantomwiki/``):
 
