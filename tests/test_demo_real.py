@@ -53,8 +53,8 @@ def test_blocks_are_the_chat_template_prompt():
 
 def test_real_track_end_to_end(tmp_path):
     folder = _hf_folder(tmp_path / "hf")
-    cfg = demo.load_demo_config(TINY, ["eval.max_questions=3", "eval.max_new_tokens=4", "eval.ttft_passages=[1]"],
-                                real_model=True)
+    cfg = demo.load_demo_config(TINY, ["eval.max_questions=3", "eval.max_new_tokens=4", "eval.ttft_passages=[1]",
+                                       "retrieval.retriever=bm25"], real_model=True)
     assert cfg.eval.batch_size == demo.config.REAL_MODEL_EVAL["batch_size"]   # real-track default kept
     lines = []
     report = real_model.run_real(cfg, str(folder), out_dir=tmp_path / "out", progress=False, log=lines.append)
@@ -62,6 +62,8 @@ def test_real_track_end_to_end(tmp_path):
     assert set(report["qa"]["conditions"]) == {"no_retrieval", "retrieval_full", "retrieval_block", "oracle_full",
                                                "oracle_block"}
     assert report["train"] is None and "training: none" in lines[-1] and "answer recall" in lines[-1]
+    assert report["qa"]["retriever"] == "bm25" and set(report["retrieval"]) == {"minilm", "bm25"}
+    assert "BM25 (lexical)" in lines[-1] and "MiniLM-L6 (pretrained)" in lines[-1]
     assert report["ttft"][0]["passages"] == 1 and Path(report["files"]["ttft_plot"]).is_file()
     # No-retrieval answers == a plain greedy decode of the chat-template prompt (a different code path).
     from rag_jax.model.load import load_model
@@ -71,6 +73,13 @@ def test_real_track_end_to_end(tmp_path):
         ids = list(stream_tokens(loaded.model, chat_prompt(loaded, [{"role": "user", "content": message}]),
                                  max_new_tokens=4))
         assert ex["no_retrieval"] == loaded.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def test_real_track_rejects_the_grit_retriever_before_any_work(tmp_path):
+    cfg = demo.load_demo_config(TINY, ["retrieval.retriever=grit"], real_model=True)
+    with pytest.raises(ValueError, match=r"retrieval.retriever='grit'.*valid: minilm, bm25"):
+        real_model.run_real(cfg, "no-such-model", out_dir=tmp_path / "out", progress=False, log=print)
+    assert not (tmp_path / "out").exists()
 
 
 def test_block_nq_split_negatives_and_placement():

@@ -13,7 +13,8 @@ This module is orchestration and the report; every stage is a component of the l
    (``rag_jax.train.objectives.grit_block``: GritLM Eq. 3 with the Block-Attention loss as ``L_Gen``) over
    ``RagTrainingSet`` batches; the output folder is a run folder (``rag_jax.train.run_folder``).
 4. **Retrieval** (``rag_jax.evaluation.rag.retrieval_eval``): held-out passages embedded with pretrained
-   MiniLM and with the trained model in GRIT embedding mode, each into a ScaNN index; recall@k / hit@k.
+   MiniLM and with the trained model in GRIT embedding mode, each into a ScaNN index, and a BM25 index
+   (``bm25_eval``); recall@k / hit@k. ``retrieval.retriever`` picks the one that feeds the answers.
 5. **Answers** to held-out questions (greedy): without retrieval; top-k retrieved passages under full
    attention; the same under Block-Attention with passage KV reuse; gold passage(s) forced into the top k.
 6. **TTFT** of full prefill vs Block-Attention with warm passage caches, by prompt length.
@@ -21,7 +22,8 @@ This module is orchestration and the report; every stage is a component of the l
    ``tokenizer.json``, ``metrics.jsonl``, TensorBoard, orbax ``checkpoints/``) in the output folder.
 
 ``--model NAME`` (``rag_jax.demo.real_model``) skips training: a pretrained chat model (e.g.
-``smollm2-135m-instruct``) answers from the same MiniLM/ScaNN retrieval, zero-shot, in the same report format.
+``smollm2-135m-instruct``) answers from the same MiniLM/ScaNN (or BM25) retrieval, zero-shot, in the same
+report format.
 
 Configuration: :class:`DemoConfig` (defaults = the CPU demo), a YAML file (``--config``, e.g.
 ``train/configs/demo_gpu.yaml``) and ``key=value`` overrides, loaded by ``rag_jax.config.load_config``.
@@ -207,7 +209,7 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
 
 def _retrieval(cfg: DemoConfig, data, model, tokenizer, td, fmt, have_minilm: bool, progress: bool):
     """Stage 4: ``({retriever: metrics}, {retriever: ranked passage indices [q, depth]})``."""
-    from rag_jax.evaluation.rag import retrieval_eval
+    from rag_jax.evaluation.rag import bm25_eval, retrieval_eval
     from rag_jax.model.embedding import GritEmbedder
     from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
 
@@ -228,6 +230,7 @@ def _retrieval(cfg: DemoConfig, data, model, tokenizer, td, fmt, have_minilm: bo
         ranked[key], retrieval[key] = retrieval_eval(
             name, lambda x, e=embed_docs, n=name: embed_texts(e, x, desc=f"{n} passages", progress=progress),
             embed_queries, docs, queries, gold, hops, cfg.retrieval.ks, cfg.retrieval.scann, depth)
+    ranked["bm25"], retrieval["bm25"] = bm25_eval(docs, queries, gold, hops, cfg.retrieval.ks, depth)
     return retrieval, ranked
 
 

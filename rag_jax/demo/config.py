@@ -18,7 +18,7 @@ from rag_jax.train.optim import OptimizerConfig
 
 DEFAULT_BASE = "demo_reader"
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-RETRIEVERS = ("grit", "minilm")
+RETRIEVERS = ("grit", "minilm", "bm25")
 
 # Defaults of the sections whose dataclass defaults are not the demo's (a YAML/override that sets one
 # field of these sections keeps the other demo defaults; ``model.preset`` replaces the model defaults).
@@ -97,7 +97,8 @@ class DemoTrainConfig:
 @dataclasses.dataclass(frozen=True)
 class RetrievalConfig:
     """Attributes:
-      retriever: the index that feeds the answering prompts: ``grit`` (the trained model) or ``minilm``.
+      retriever: the index that feeds the answering prompts: ``grit`` (the trained model), ``minilm`` (dense,
+        pretrained) or ``bm25`` (lexical, ``rag_jax.retrieval.lexical``); all available ones are reported.
       ks: cut-offs of the reported recall@k / hit@k.
       scann: ScaNN index parameters (``auto`` picks brute force below 20K passages).
     """

@@ -1,7 +1,8 @@
 """``rag-jax demo --model NAME``: the demo's retrieval feeding a pretrained chat model, zero-shot (no training).
 
 Same data (``rag_jax.data.phantom_rag.prepare_data``), retrieval (MiniLM into a ScaNN index over the
-held-out passages, ``rag_jax.evaluation.rag.retrieval_eval``) and report format as the default demo; the
+held-out passages, ``rag_jax.evaluation.rag.retrieval_eval``, and BM25, ``bm25_eval``; ``retrieval.retriever``
+= ``minilm`` or ``bm25`` feeds the answers) and report format as the default demo; the
 reader is a pretrained model loaded by ``rag_jax.model.load.load_model`` (e.g. ``smollm2-135m-instruct``)
 and prompted with its own chat template, greedy.
 
@@ -29,6 +30,7 @@ INSTRUCTION = "Answer the question using the documents below. Reply with the ans
 PASSAGE = "Document: {text}\n\n"
 QUESTION = "Question: {question}"
 _SLOT = "\x00MESSAGE\x00"
+RETRIEVERS = ("minilm", "bm25")  # no trained GRIT embedder on this track
 
 
 class ChatBlocks:
@@ -73,16 +75,19 @@ def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike |
     Raises:
       PermissionError: ``out_dir`` is not writable. FileNotFoundError: the model's package, MiniLM, or
       ``data_path`` is missing. ValueError: malformed data, too few questions, a model without chat
-      template. All before any generation.
+      template, ``retrieval.retriever=grit`` (no trained model here). All before any generation.
     """
     from rag_jax.data.phantom_rag import prepare_data
     from rag_jax.demo.report import check_output_dir, plots, write_report
-    from rag_jax.evaluation.rag import retrieval_eval, ttft_curve
+    from rag_jax.evaluation.rag import bm25_eval, retrieval_eval, ttft_curve
     from rag_jax.evaluation.timing import StageTimer
     from rag_jax.model import count_params
     from rag_jax.model.load import load_model
     from rag_jax.retrieval.embedders import BertEmbedder, embed_texts, minilm_dir
 
+    if cfg.retrieval.retriever not in RETRIEVERS:
+        raise ValueError(f"retrieval.retriever={cfg.retrieval.retriever!r}: the real-model track has no trained "
+                         f"embedder; valid: {', '.join(RETRIEVERS)}")
     timer = StageTimer()
     out = check_output_dir(out_dir)
     minilm_dir()                                  # FileNotFoundError with the install hint, before compute
@@ -95,15 +100,18 @@ def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike |
     chat = ChatBlocks(loaded)
     timer.stage("model")
 
-    log("[3/6] retrieval: MiniLM embeddings of held-out passages, ScaNN index, recall@k")
+    log("[3/6] retrieval: MiniLM embeddings of held-out passages in a ScaNN index, and BM25; recall@k")
     minilm = BertEmbedder()
     docs = [p["text"] for p in data.eval_passages]
     questions = data.eval_questions
-    ranked, metrics = retrieval_eval(
+    queries, gold, hops = ([q[f] for q in questions] for f in ("question", "gold", "hops"))
+    depth = max(max(cfg.retrieval.ks), cfg.task.num_passages + 1)
+    ranked, metrics = {}, {}
+    ranked["minilm"], metrics["minilm"] = retrieval_eval(
         "MiniLM-L6 (pretrained)", lambda x: embed_texts(minilm, x, desc="MiniLM passages", progress=progress),
-        minilm.embed, docs, [q["question"] for q in questions], [q["gold"] for q in questions],
-        [q["hops"] for q in questions], cfg.retrieval.ks, cfg.retrieval.scann,
-        max(max(cfg.retrieval.ks), cfg.task.num_passages + 1))
+        minilm.embed, docs, queries, gold, hops, cfg.retrieval.ks, cfg.retrieval.scann, depth)
+    ranked["bm25"], metrics["bm25"] = bm25_eval(docs, queries, gold, hops, cfg.retrieval.ks, depth)
+    ranked = ranked[cfg.retrieval.retriever]
     timer.stage("retrieval")
 
     log(f"[4/6] answering {min(cfg.eval.max_questions, len(questions))} held-out questions: no retrieval / "
@@ -133,7 +141,7 @@ def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike |
                   **{f: getattr(mc, f) for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                                  "vocab_size")}},
         "train": None,
-        "retrieval": {"minilm": metrics},
+        "retrieval": metrics,
         "qa": qa,
         "ttft": ttft,
         "files": files,
@@ -178,7 +186,7 @@ def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: 
                 for p, q in zip(preds, questions)]
         conditions[name] = {**mean_scores(rows), "seconds": time.perf_counter() - t0, "mode": mode}
         predictions[name] = preds
-    qa = {"num_questions": len(questions), "retriever": "minilm", "num_passages": k,
+    qa = {"num_questions": len(questions), "retriever": cfg.retrieval.retriever, "num_passages": k,
           "max_new_tokens": cfg.eval.max_new_tokens, "conditions": conditions,
           "kv_store": {"entries": len(ba.store), "bytes": ba.store.nbytes, **ba.store.stats},
           "examples": [{"question": q["question"], "gold": q["answer"],

@@ -85,9 +85,9 @@ def format_report(report: dict) -> str:
              ""]
     rows = [[r["retriever"], *[r[f"recall@{c}"] for c in ks], *[r[f"hit@{c}"] for c in ks]]
             for r in report["retrieval"].values()]
-    lines += [f"retrieval of gold passages among {d['eval_passages']} held-out passages (ScaNN), "
+    lines += [f"retrieval of gold passages among {d['eval_passages']} held-out passages (ScaNN; BM25), "
               f"{d['eval_questions']} questions:",
-              table(["embedder", *[f"recall@{c}" for c in ks], *[f"hit@{c}" for c in ks]], rows), ""]
+              table(["retriever", *[f"recall@{c}" for c in ks], *[f"hit@{c}" for c in ks]], rows), ""]
     first = next(iter(qa["conditions"].values()))
     extra = EXTRA_SCORES if "answer_recall" in first else ()
     rows = [[CONDITION_LABELS[c].format(k=k), *[v[key] for key, _ in extra], v["set_em"], v["set_f1"], v["f1"],

@@ -53,7 +53,6 @@ def retrieval_eval(name: str, embed_docs, embed_queries, docs: Sequence[str], qu
       ``(ranked doc indices int64 [q, depth'] (-1 = none), {"recall@k", "hit@k", "by_hops": {hops: {...}},
       "seconds", "num_docs", "retriever", "index"})``.
     """
-    from rag_jax import metrics
     from rag_jax.retrieval.scann_index import ScannIndex
 
     t0 = time.perf_counter()
@@ -62,6 +61,28 @@ def retrieval_eval(name: str, embed_docs, embed_queries, docs: Sequence[str], qu
     index.add(vectors, np.arange(len(docs)))
     index.build()
     _, ranked = index.search(embed_queries(list(queries)), max(depth, *ks))
+    result = ranked_metrics(ranked, gold, hops, ks)
+    result.update(seconds=time.perf_counter() - t0, num_docs=len(docs), retriever=name, index=dict(index.params))
+    return ranked, result
+
+
+def bm25_eval(docs: Sequence[str], queries: Sequence[str], gold: Sequence[Sequence[int]], hops: Sequence[int],
+              ks: Sequence[int], depth: int) -> tuple[np.ndarray, dict]:
+    """``retrieval_eval`` with a BM25 index (``rag_jax.retrieval.lexical``) instead of embeddings + ScaNN."""
+    from rag_jax.retrieval.lexical import BM25Index
+
+    t0 = time.perf_counter()
+    index = BM25Index(list(docs))
+    _, ranked = index.search(list(queries), max(depth, *ks))
+    result = ranked_metrics(ranked, gold, hops, ks)
+    result.update(seconds=time.perf_counter() - t0, num_docs=len(docs), retriever="BM25 (lexical)",
+                  index={"kind": "bm25", "k1": index.k1, "b": index.b})
+    return ranked, result
+
+
+def ranked_metrics(ranked, gold: Sequence[Sequence[int]], hops: Sequence[int], ks: Sequence[int]) -> dict:
+    """recall@k / hit@k of ``ranked`` doc indices ``[q, depth]`` against ``gold``, overall and ``by_hops``."""
+    from rag_jax import metrics
 
     def scores(sel):
         r, g = [ranked[i] for i in sel], [gold[i] for i in sel]
@@ -72,10 +93,9 @@ def retrieval_eval(name: str, embed_docs, embed_queries, docs: Sequence[str], qu
         out["num_questions"] = len(sel)
         return out
 
-    result = scores(range(len(queries)))
+    result = scores(range(len(gold)))
     result["by_hops"] = {h: scores([i for i, x in enumerate(hops) if x == h]) for h in sorted(set(hops))}
-    result.update(seconds=time.perf_counter() - t0, num_docs=len(docs), retriever=name, index=dict(index.params))
-    return ranked, result
+    return result
 
 
 def generate_answers(block_attention, tokenizer, prompts: Sequence[Sequence[Sequence[int]]], *, mode: str,
