@@ -8,7 +8,8 @@ scores a hit at k if its own gold passage is among the top k. Passages are embed
 
 Rows: exact (``ExactIndex``), ScaNN with the size rules (brute force at this size), and ScaNN forced
 to AH + reorder and to tree + AH + reorder (``target_recall`` tuned), which is what larger corpora
-use. ``agree@20`` is the overlap of each method's top 20 with exact search.
+use; and BM25 over the same texts (``rag_jax.retrieval.lexical``), the lexical baseline. ``agree@20`` is the
+overlap of each method's top 20 with exact MiniLM search.
 
     rag-jax eval retrieval_nq                 # all 2,655 questions (minutes on 2 CPU cores)
     rag-jax eval retrieval_nq --limit 300     # quick run: first 300 questions, their passages
@@ -88,6 +89,13 @@ def main(argv=None) -> int:
         _, found = index.search(q_vecs, k_max)
         timer.stage("search")
         results[name] = (found, timer.wall["build"], timer.wall["search"], getattr(index, "params", {}))
+    from rag_jax.retrieval.lexical import BM25Index
+    timer.stage("idle")
+    bm25 = BM25Index([f"{x.title}\n{x.text}" for x in passages])
+    timer.stage("build")
+    _, found = bm25.search(questions, k_max)
+    timer.stage("search")
+    results["BM25 (bm25s)"] = (found, timer.wall["build"], timer.wall["search"], {"k1": bm25.k1, "b": bm25.b})
     exact_found = results["exact (ExactIndex)"][0]
     rows = []
     for name, (found, build_s, search_s, params) in results.items():
