@@ -87,6 +87,27 @@ def test_score_answer_hand_computed():
     assert s["em"] == 1.0 and s["set_em"] == 0.0
 
 
+def test_prompt_passages_rank_reverse_and_gold_first_oracle():
+    rng = np.random.default_rng()
+    ranked = rng.permutation(40)
+    ranked[rng.integers(6, 40)] = -1                                # a padded slot deep in the list is skipped
+    gold = [int(ranked[int(rng.integers(8, 30))]), int(ranked[1])]  # one gold retrieved low, one at rank 2
+    gold = [g if g >= 0 else int(ranked[3]) for g in gold]
+    k = 5
+    rank = rag_eval.prompt_passages(ranked, gold, k, "rank")
+    assert rank["retrieval"] == [int(j) for j in ranked[:k]]
+    others = [int(j) for j in ranked if j >= 0 and j not in gold][:k - len(gold)]
+    assert rank["oracle"] == gold + others                            # a retriever that ranks the gold first
+    rev = rag_eval.prompt_passages(ranked, gold, k, "reverse")
+    assert rev["retrieval"] == rank["retrieval"][::-1] and rev["oracle"][-len(gold):] == gold[::-1]
+    with pytest.raises(ValueError, match="'sorted'; valid: rank, reverse"):
+        rag_eval.prompt_order([1, 2], "sorted")
+    with pytest.raises(ValueError, match="eval.passage_order='sorted'"):
+        demo.load_demo_config(None, ["eval.passage_order=sorted"])
+    assert demo.load_demo_config(None).eval.passage_order == "rank"                 # the tiny reader: as ranked
+    assert demo.load_demo_config(None, real_model=True).eval.passage_order == "reverse"
+
+
 def test_config_defaults_survive_partial_overrides():
     cfg = demo.load_demo_config(None, ["base=null", "model.num_layers=3", "optimizer.learning_rate=0.01",
                                        "train.steps=7"])

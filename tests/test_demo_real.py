@@ -63,6 +63,10 @@ def test_real_track_end_to_end(tmp_path):
                                                "oracle_block"}
     assert report["train"] is None and "training: none" in lines[-1] and "answer recall" in lines[-1]
     assert report["qa"]["retriever"] == "bm25" and set(report["retrieval"]) == {"minilm", "bm25"}
+    answers = report["qa"]["answers"]                               # per question, the means above
+    assert len(answers) == 3 and answers[0]["retrieval_full"]["prediction"] == report["qa"]["examples"][0]["retrieval_full"]
+    for c, v in report["qa"]["conditions"].items():
+        assert v["subspan_em"] == pytest.approx(np.mean([a[c]["subspan_em"] for a in answers]))
     assert "BM25 (lexical)" in lines[-1] and "MiniLM-L6 (pretrained)" in lines[-1]
     assert report["ttft"][0]["passages"] == 1 and Path(report["files"]["ttft_plot"]).is_file()
     # No-retrieval answers == a plain greedy decode of the chat-template prompt (a different code path).

@@ -240,7 +240,7 @@ def _answers(cfg: DemoConfig, data, model, tokenizer, td, ranked, progress: bool
 
     from tqdm.auto import tqdm
 
-    from rag_jax.evaluation.rag import generate_answers, mean_scores, score_answer, with_gold
+    from rag_jax.evaluation.rag import generate_answers, mean_scores, per_question, prompt_passages, score_answer
     from rag_jax.inference.block_attention import BlockAttention
     from rag_jax.inference.kv_store import KVStore
 
@@ -249,28 +249,26 @@ def _answers(cfg: DemoConfig, data, model, tokenizer, td, ranked, progress: bool
     questions = data.eval_questions[:cfg.eval.max_questions]
     max_new = min(cfg.eval.max_new_tokens, td.answer_tokens + 2)
     ba = BlockAttention(model, store=KVStore(max_bytes=1 << 30))
-    prompts = {
-        "no_retrieval": [rag_example(tokenizer, q["question"], []).blocks for q in questions],
-        "retrieval": [rag_example(tokenizer, q["question"], [docs[j] for j in ranked[i][:k] if j >= 0]).blocks
-                      for i, q in enumerate(questions)],
-        "oracle": [rag_example(tokenizer, q["question"], [docs[j] for j in with_gold(ranked[i], q["gold"], k)]).blocks
-                   for i, q in enumerate(questions)],
-    }
-    conditions, predictions = {}, {}
+    chosen = [prompt_passages(ranked[i], q["gold"], k, cfg.eval.passage_order) for i, q in enumerate(questions)]
+    prompts = {c: [rag_example(tokenizer, q["question"], [docs[j] for j in ch[c]]).blocks
+                   for q, ch in zip(questions, chosen)] for c in ("retrieval", "oracle")}
+    prompts["no_retrieval"] = [rag_example(tokenizer, q["question"], []).blocks for q in questions]
+    conditions, predictions, rows = {}, {}, {}
     plan = [("no_retrieval", "no_retrieval", "full"), ("retrieval_full", "retrieval", "full"),
             ("retrieval_block", "retrieval", "block"), ("oracle_block", "oracle", "block")]
     for name, which, mode in tqdm(plan, desc="answering", unit="condition", disable=not progress):
         t0 = time.perf_counter()
         preds = generate_answers(ba, tokenizer, prompts[which], mode=mode, max_new_tokens=max_new,
                                  batch_size=cfg.eval.batch_size)
-        scores = mean_scores([score_answer(p, q["answer"]) for p, q in zip(preds, questions)])
-        conditions[name] = {**scores, "seconds": time.perf_counter() - t0, "mode": mode}
+        rows[name] = [score_answer(p, q["answer"]) for p, q in zip(preds, questions)]
+        conditions[name] = {**mean_scores(rows[name]), "seconds": time.perf_counter() - t0, "mode": mode}
         predictions[name] = preds
     qa = {"num_questions": len(questions), "retriever": cfg.retrieval.retriever, "num_passages": k,
           "max_new_tokens": max_new, "conditions": conditions,
           "kv_store": {"entries": len(ba.store), "bytes": ba.store.nbytes, **ba.store.stats},
           "examples": [{"question": q["question"], "gold": q["answer"],
-                        **{c: predictions[c][i] for c in predictions}} for i, q in enumerate(questions[:3])]}
+                        **{c: predictions[c][i] for c in predictions}} for i, q in enumerate(questions[:3])],
+          "answers": per_question(questions, predictions, rows)}
     return qa, ba
 
 

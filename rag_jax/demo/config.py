@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rag_jax import config as config_lib
 from rag_jax.data.phantom_rag import TaskConfig, UniverseConfig
+from rag_jax.evaluation.rag import PASSAGE_ORDERS
 from rag_jax.model.config import ModelConfig
 from rag_jax.retrieval.scann_index import ScannConfig
 from rag_jax.sharding import MeshConfig
@@ -122,6 +123,9 @@ class EvalConfig:
       batch_size: prompts per generation call.
       ttft_passages: passages per prompt for the TTFT curve (sizes that exceed max_seq_len are skipped).
       ttft_repeats: timed runs per point (median reported, after one warm-up run).
+      passage_order: prompt order of the retrieved (and gold-first oracle) passages: ``rank`` (best first) or
+        ``reverse`` (best last, next to the question; the real-model track's default), see
+        ``rag_jax.evaluation.rag.prompt_order``.
     """
 
     max_questions: int = 100
@@ -129,6 +133,7 @@ class EvalConfig:
     batch_size: int = 128
     ttft_passages: tuple[int, ...] = (1, 2, 4, 6)
     ttft_repeats: int = 5
+    passage_order: str = "rank"
 
     def __post_init__(self):
         for name in ("max_questions", "max_new_tokens", "batch_size", "ttft_repeats"):
@@ -136,6 +141,8 @@ class EvalConfig:
                 raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 1")
         if any(n < 1 for n in self.ttft_passages):
             raise ValueError(f"eval.ttft_passages={self.ttft_passages!r} must be ints >= 1 (may be empty)")
+        if self.passage_order not in PASSAGE_ORDERS:
+            raise ValueError(f"eval.passage_order={self.passage_order!r}; valid: {', '.join(PASSAGE_ORDERS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +180,9 @@ class DemoConfig:
 
 # Defaults of the real-model track (``rag-jax demo --model``): a 135M model generating on CPU answers fewer
 # questions, and its sentence replies need more tokens than the tiny reader's spans.
-REAL_MODEL_EVAL = dict(max_questions=50, max_new_tokens=24, batch_size=64, ttft_passages=[1, 2, 4], ttft_repeats=3)
+# It reads best the passage next to the question (``prompt_order``), so retrieved passages go best last.
+REAL_MODEL_EVAL = dict(max_questions=50, max_new_tokens=24, batch_size=64, ttft_passages=[1, 2, 4], ttft_repeats=3,
+                       passage_order="reverse")
 
 
 def _demo_defaults(user: dict, real_model: bool = False) -> dict:

@@ -153,12 +153,7 @@ def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: 
     """The ``qa`` report section (as the default demo's ``_answers``) and the ``BlockAttention``."""
     from tqdm.auto import tqdm
 
-    from rag_jax.evaluation.rag import (
-        generate_answers,
-        mean_scores,
-        score_answer,
-        with_gold,
-    )
+    from rag_jax.evaluation.rag import generate_answers, mean_scores, per_question, prompt_passages, score_answer
     from rag_jax.inference.block_attention import BlockAttention
     from rag_jax.inference.kv_store import KVStore
 
@@ -166,29 +161,27 @@ def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: 
     docs = [p["text"] for p in data.eval_passages]
     questions = data.eval_questions[:cfg.eval.max_questions]
     ba = BlockAttention(loaded.model, store=KVStore(max_bytes=1 << 30), fingerprint=str(loaded.source))
-    prompts = {
-        "no_retrieval": [chat.blocks(q["question"], []) for q in questions],
-        "retrieval": [chat.blocks(q["question"], [docs[j] for j in ranked[i][:k] if j >= 0])
-                      for i, q in enumerate(questions)],
-        "oracle": [chat.blocks(q["question"], [docs[j] for j in with_gold(ranked[i], q["gold"], k)])
-                   for i, q in enumerate(questions)],
-    }
+    chosen = [prompt_passages(ranked[i], q["gold"], k, cfg.eval.passage_order) for i, q in enumerate(questions)]
+    prompts = {c: [chat.blocks(q["question"], [docs[j] for j in ch[c]]) for q, ch in zip(questions, chosen)]
+               for c in ("retrieval", "oracle")}
+    prompts["no_retrieval"] = [chat.blocks(q["question"], []) for q in questions]
     plan = [("no_retrieval", "no_retrieval", "full"), ("retrieval_full", "retrieval", "full"),
             ("retrieval_block", "retrieval", "block"), ("oracle_full", "oracle", "full"),
             ("oracle_block", "oracle", "block")]
-    conditions, predictions = {}, {}
+    conditions, predictions, rows = {}, {}, {}
     for name, which, mode in tqdm(plan, desc="answering", unit="condition", disable=not progress):
         t0 = time.perf_counter()
         preds = generate_answers(ba, loaded.tokenizer, prompts[which], mode=mode,
                                  max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
                                  eos_id=loaded.eos_ids)
-        rows = [{**score_answer(p, q["answer"]), "answer_recall": answer_recall(p, q["answer"])}
-                for p, q in zip(preds, questions)]
-        conditions[name] = {**mean_scores(rows), "seconds": time.perf_counter() - t0, "mode": mode}
+        rows[name] = [{**score_answer(p, q["answer"]), "answer_recall": answer_recall(p, q["answer"])}
+                      for p, q in zip(preds, questions)]
+        conditions[name] = {**mean_scores(rows[name]), "seconds": time.perf_counter() - t0, "mode": mode}
         predictions[name] = preds
     qa = {"num_questions": len(questions), "retriever": cfg.retrieval.retriever, "num_passages": k,
           "max_new_tokens": cfg.eval.max_new_tokens, "conditions": conditions,
           "kv_store": {"entries": len(ba.store), "bytes": ba.store.nbytes, **ba.store.stats},
           "examples": [{"question": q["question"], "gold": q["answer"],
-                        **{c: predictions[c][i] for c in predictions}} for i, q in enumerate(questions[:3])]}
+                        **{c: predictions[c][i] for c in predictions}} for i, q in enumerate(questions[:3])],
+          "answers": per_question(questions, predictions, rows)}
     return qa, ba

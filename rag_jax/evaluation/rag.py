@@ -38,6 +38,15 @@ def mean_scores(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} if rows else {}
 
 
+def per_question(questions: Sequence[dict], predictions: dict[str, list[str]],
+                 scores: dict[str, list[dict[str, float]]]) -> list[dict]:
+    """One record per question (``question``, ``gold`` = its ``answer``, and per condition ``{"prediction",
+    **scores}``): the report's ``qa.answers``, for paired comparisons between conditions."""
+    return [{"question": q["question"], "gold": q["answer"],
+             **{c: {"prediction": predictions[c][i], **scores[c][i]} for c in predictions}}
+            for i, q in enumerate(questions)]
+
+
 
 def retrieval_eval(name: str, embed_docs, embed_queries, docs: Sequence[str], queries: Sequence[str],
                    gold: Sequence[Sequence[int]], hops: Sequence[int], ks: Sequence[int], scann: ScannConfig,
@@ -189,7 +198,28 @@ def ttft_curve(block_attention, tokenizer, passages: Sequence[str], question: st
 
 
 
+PASSAGE_ORDERS = ("rank", "reverse")
+
+
 def with_gold(ranked: Sequence[int], gold: Sequence[int], k: int) -> list[int]:
-    """The top-k retrieved passage indices with the gold ones forced in (replacing the lowest-ranked others)."""
+    """The top-k of a retriever that ranks the gold passages first: ``gold[:k]``, then the best retrieved others
+    (best first, as ``ranked``)."""
     gold = [int(g) for g in gold[:k]]
-    return [int(i) for i in ranked if i >= 0 and i not in gold][:k - len(gold)] + gold
+    return gold + [int(i) for i in ranked if i >= 0 and i not in gold][:k - len(gold)]
+
+
+def prompt_order(passages: Sequence, order: str) -> list:
+    """``passages`` (best first) in prompt order: ``rank`` keeps them; ``reverse`` puts the best one last, next to
+    the question, where a small reader uses a passage best (Lost in the Middle, Liu et al. TACL 2024, Fig. 5:
+    accuracy is highest for evidence at either end of the context; SmolLM2-135M on PhantomWiki favours the
+    end). Raises ValueError for another ``order``."""
+    if order not in PASSAGE_ORDERS:
+        raise ValueError(f"passage order {order!r}; valid: {', '.join(PASSAGE_ORDERS)}")
+    return list(passages)[::-1] if order == "reverse" else list(passages)
+
+
+def prompt_passages(ranked: Sequence[int], gold: Sequence[int], k: int, order: str) -> dict[str, list[int]]:
+    """One question's passage indices in prompt order (``prompt_order``) for the demo's conditions:
+    ``retrieval`` (the top ``k`` of ``ranked``, ``-1`` skipped) and ``oracle`` (``with_gold``)."""
+    top = [int(j) for j in ranked[:k] if j >= 0]
+    return {"retrieval": prompt_order(top, order), "oracle": prompt_order(with_gold(ranked, gold, k), order)}
