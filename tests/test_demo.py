@@ -88,7 +88,9 @@ def test_score_answer_hand_computed():
 
 
 def test_prompt_passages_rank_reverse_and_gold_first_oracle():
-    rng = np.random.default_rng()
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    print("seed", seed)                                             # shown when it fails
+    rng = np.random.default_rng(seed)
     ranked = rng.permutation(40)
     ranked[rng.integers(6, 40)] = -1                                # a padded slot deep in the list is skipped
     gold = [int(ranked[int(rng.integers(8, 30))]), int(ranked[1])]  # one gold retrieved low, one at rank 2
@@ -100,6 +102,7 @@ def test_prompt_passages_rank_reverse_and_gold_first_oracle():
     assert rank["oracle"] == gold + others                            # a retriever that ranks the gold first
     rev = rag_eval.prompt_passages(ranked, gold, k, "reverse")
     assert rev["retrieval"] == rank["retrieval"][::-1] and rev["oracle"][-len(gold):] == gold[::-1]
+    assert rag_eval.with_gold([5, -1, 6, 7], [6, 6], 3) == [6, 5, 7]          # repeats dropped, -1 skipped
     with pytest.raises(ValueError, match="'sorted'; valid: rank, reverse"):
         rag_eval.prompt_order([1, 2], "sorted")
     with pytest.raises(ValueError, match="eval.passage_order='sorted'"):

@@ -19,7 +19,8 @@ def reference_scores(docs: list[list[str]], query: list[str], k1: float, b: floa
         if df == 0:
             continue
         idf = np.log(1.0 + (n - df + 0.5) / (df + 0.5))
-        out += idf * tf / (tf + k1 * (1.0 - b + b * lengths / avgdl))
+        norm = k1 * (1.0 - b + b * lengths / avgdl)        # 0 for an empty document at b = 1, where tf = 0
+        out += np.where(tf > 0, idf * tf / np.where(tf > 0, tf + norm, 1.0), 0.0)
     return out
 
 
@@ -27,6 +28,7 @@ def reference_scores(docs: list[list[str]], query: list[str], k1: float, b: floa
 def test_scores_and_ranking_match_reference(k1, b):
     rng = np.random.default_rng(int(k1 * 10 + b * 100))
     docs = [list(rng.choice(WORDS, size=rng.integers(1, 30))) for _ in range(60)]
+    docs[int(rng.integers(60))] = []                                  # a document without words: length 0
     queries = [list(rng.choice(WORDS, size=rng.integers(1, 6))) for _ in range(25)]
     index = BM25Index([" ".join(d) for d in docs], k1=k1, b=b)
     k = 10
@@ -41,18 +43,19 @@ def test_scores_and_ranking_match_reference(k1, b):
 
 def test_text_tokens_case_stopwords_unknown_words_and_padding():
     docs = ["The friends of Ann Lee are Bob Day and Cy Ng.", "The date of birth of Bob Day is 0227-09-18.", "",
-            "Bob Day likes microscopy."]
+            "Bob Day likes microscopy.", "the of and"]
     index = BM25Index(docs)
-    scores, ids = index.search(["Who was born on 0227-09-18?", "zzzz qqqq", "MICROSCOPY"], k=6)
+    scores, ids = index.search(["Who was born on 0227-09-18?", "zzzz qqqq", "MICROSCOPY"], k=7)
     assert ids[0, 0] == 1 and scores[0, 0] > 0                      # the date's three tokens match doc 1 only
-    assert np.all(scores[1, :4] == 0)                               # unknown words score nothing (not the empty doc)
+    assert np.all(scores[1, :5] == 0)                               # unknown words score nothing (not the empty doc)
     assert ids[2, 0] == 3 and scores[2, 0] > 0                      # lowercased
-    assert np.all(ids[:, 4:] == -1) and np.all(np.isneginf(scores[:, 4:]))  # k > num_docs: padded
+    assert np.all(ids[:, 5:] == -1) and np.all(np.isneginf(scores[:, 5:]))  # k > num_docs: padded
     assert index.query_tokens(["the of and"]) == [[]]               # stop words dropped
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(docs=[]), "docs is empty"),
+    (dict(docs="alpha beta"), "docs is a str"),
     (dict(docs=["a b", 3]), r"docs\[1\] is int"),
     (dict(docs=["a b"], k1=-1.0), "k1=-1.0"),
     (dict(docs=["a b"], b=1.5), "b=1.5"),

@@ -24,17 +24,20 @@ class BM25Index:
     """A BM25 index of ``docs`` (module docstring); row ``i`` is ``docs[i]``.
 
     Args:
-      docs: the documents (non-empty list of str; empty strings allowed: they match nothing).
+      docs: the documents (non-empty list of str; a document without words, e.g. ``""`` or only stop words,
+        has length 0 and matches nothing).
       k1: term-frequency saturation, >= 0 (Lucene's default 1.2; bm25s' and ours 1.5).
       b: length normalization in [0, 1].
 
     Raises:
-      ValueError: ``docs`` is empty or not all str, or ``k1`` / ``b`` out of range.
+      ValueError: ``docs`` is empty, a str or not all str, or ``k1`` / ``b`` out of range.
     """
 
     def __init__(self, docs: Sequence[str], *, k1: float = 1.5, b: float = 0.75):
-        import bm25s
+        import bm25s  # (its import runs a jax.lax.top_k, i.e. starts JAX)
 
+        if isinstance(docs, str):
+            raise ValueError("docs is a str; pass a list of documents")
         if not docs:
             raise ValueError("docs is empty; a BM25 index needs at least one document")
         bad = next((i for i, d in enumerate(docs) if not isinstance(d, str)), None)
@@ -46,16 +49,17 @@ class BM25Index:
             raise ValueError(f"b={b} must be in [0, 1]")
         self.k1, self.b, self.num_docs = float(k1), float(b), len(docs)
         self._tokenizer = bm25s.tokenization.Tokenizer(stopwords="en")
-        ids = self._tokenizer.tokenize(list(docs), return_as="ids", show_progress=False, update_vocab=True)
-        # bm25s gives a document without tokens the id of "" (and a query's unknown words too): never score it
-        self._empty = self._tokenizer.get_vocab_dict().get("")
+        # allow_empty=False: no "" placeholder token for a document without words (it would count in avgdl)
+        ids = self._tokenizer.tokenize(list(docs), return_as="ids", show_progress=False, update_vocab=True,
+                                       allow_empty=False)
         self._bm25 = bm25s.BM25(k1=self.k1, b=self.b, method="lucene")
         self._bm25.index(ids, show_progress=False)
 
     def query_tokens(self, queries: Sequence[str]) -> list[list[int]]:
         """Per query its known token ids (repeats kept, unknown words dropped)."""
-        ids = self._tokenizer.tokenize(list(queries), return_as="ids", show_progress=False, update_vocab=False)
-        return [[int(t) for t in q if t != self._empty] for q in ids]
+        ids = self._tokenizer.tokenize(list(queries), return_as="ids", show_progress=False, update_vocab=False,
+                                       allow_empty=False)
+        return [[int(t) for t in q] for q in ids]
 
     def search(self, queries: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` documents per query, best first.
