@@ -1,5 +1,5 @@
-"""Shared RAG evaluation: answer scores, retrieval recall through a ScaNN index, batched greedy answers
-under full or Block-Attention, and the TTFT curve (full prefill vs cached passage blocks).
+"""Shared RAG evaluation: answer scores, retrieval recall through a ScaNN index (or BM25), prompt passage order,
+batched greedy answers under full or Block-Attention, and the TTFT curve (full prefill vs cached passage blocks).
 
 Used by ``rag-jax demo`` and the evaluation scripts (``rag-jax eval rag_qa``, ``retrieval_recall``, ...);
 metric definitions are in ``rag_jax.metrics``.
@@ -45,7 +45,6 @@ def per_question(questions: Sequence[dict], predictions: dict[str, list[str]],
     return [{"question": q["question"], "gold": q["answer"],
              **{c: {"prediction": predictions[c][i], **scores[c][i]} for c in predictions}}
             for i, q in enumerate(questions)]
-
 
 
 def retrieval_eval(name: str, embed_docs, embed_queries, docs: Sequence[str], queries: Sequence[str],
