@@ -202,8 +202,7 @@ PASSAGE_ORDERS = ("rank", "reverse")
 
 def with_gold(ranked: Sequence[int], gold: Sequence[int], k: int) -> list[int]:
     """The top-k of a retriever that ranks the gold passages first: ``gold[:k]`` (repeats dropped), then the best
-    retrieved others (best first, as ``ranked``). (Before 2026-12-01 the gold passages went last; with
-    ``prompt_order(..., "reverse")`` they still do.)"""
+    retrieved others (best first, as ``ranked``); ``prompt_order(..., "reverse")`` puts the gold ones last."""
     gold = [int(g) for g in dict.fromkeys(gold)][:k]
     return gold + [int(i) for i in ranked if i >= 0 and i not in gold][:k - len(gold)]
 
