@@ -194,13 +194,19 @@ def _write_json(path: Path, obj) -> None:
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and ``os.replace``:
-    readers see the old file or the new one, never a part."""
+    """Write ``text`` (UTF-8) to ``path`` atomically (``write_bytes``)."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``: readers see the
+    old file or the new one, never a part. The folder is created if missing."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

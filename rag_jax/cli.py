@@ -17,7 +17,7 @@ import importlib
 import sys
 import time
 
-EVALS = ("block_nq", "block_quality", "grit_eval", "grit_pretrained", "long_context", "passkey", "rag_qa",
+EVALS = ("block_distill", "block_nq", "block_quality", "grit_eval", "grit_pretrained", "long_context", "passkey", "rag_qa",
          "retrieval_nq", "retrieval_recall")
 BENCHES = ("attention", "em_llm_bench", "grit_caching", "load_and_speed", "model_vs_torch", "retrieval_bench",
            "train_bench", "ttft")

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rag_jax.train.objectives.grit import (GritConfig, _gather_keep_local_grad, distill_kl, group_size, info_nce,
+from rag_jax.train.objectives.grit import (GritConfig, _gather_keep_local_grad, group_size, info_nce,
                                            info_nce_local_negatives, info_nce_sharded, next_token_loss)
+from rag_jax.train.objectives.nll import distill_kl
 
 TEMP = 0.02
 

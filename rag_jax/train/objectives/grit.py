@@ -44,7 +44,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from rag_jax.model.embedding import encode
-from rag_jax.train.objectives.nll import next_token_nll
+from rag_jax.train.objectives.nll import distill_kl, next_token_nll
 
 MODES = ("unified", "embedding", "generative")
 GEN_REDUCTIONS = ("mixed", "token")
@@ -221,30 +221,6 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array, 
     has = group_n > 0
     group_mean = jnp.where(has, group_sum / jnp.maximum(group_n, 1.0), 0.0)
     return group_mean.sum() / jnp.maximum(has.sum(), 1), accuracy
-
-
-def distill_kl(logits: jax.Array, teacher_logits: jax.Array, mask: jax.Array) -> jax.Array:
-    """Token-mean ``KL(softmax(teacher) ‖ softmax(logits))`` over the positions where ``mask`` is nonzero (nats).
-
-    Args:
-      logits: float ``[B, L, vocab]`` of the trained model.
-      teacher_logits: float ``[B, L, vocab]`` of the frozen teacher (no gradient flows into it).
-      mask: ``[B, L]``, nonzero at the positions counted.
-
-    Returns:
-      float32 scalar (0 when ``mask`` is all zero).
-
-    Raises:
-      ValueError: shapes that do not agree.
-    """
-    if logits.shape != teacher_logits.shape or tuple(mask.shape) != tuple(logits.shape[:2]):
-        raise ValueError(f"logits {tuple(logits.shape)}, teacher_logits {tuple(teacher_logits.shape)} and mask "
-                         f"{tuple(mask.shape)} must agree on [batch, seq(, vocab)]")
-    log_p = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32), axis=-1)
-    log_q = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-    m = (mask != 0).astype(jnp.float32)
-    return jnp.sum(kl * m) / jnp.maximum(m.sum(), 1.0)
 
 
 EMBEDDING_KEYS = ("query_tokens", "query_attention_mask", "query_pool_mask",

@@ -1,0 +1,167 @@
+"""Block-Attention fine-tuning by self-distillation on NQ-open, measured by a paired log-likelihood (issue 29).
+
+Setting as ``block_nq`` (Lost in the Middle's NQ-open oracle file; per question its gold passage and MiniLM hard
+negatives from the pool of all gold passages, none containing an answer; the model's chat template, one block per
+passage): each held-out row puts the gold passage at a seeded random position among ``--num-passages``
+passages, and the response is the first gold answer. The measure is the gold answer's teacher-forced
+log-likelihood (nats, summed over its tokens, end of turn excluded) under full and under block attention of the
+same model, paired per row: one forward, no generation, so hundreds of rows fit a CPU budget and a small
+difference is visible (Wilcoxon signed-rank p and a 95% interval on the mean paired difference).
+
+Fine-tuning (``--steps``; ``rag_jax.train.block_distill``): training questions built the same way (with
+``--train-passages`` passages), the top ``--top-layers`` layers trained to match, in block attention, the base
+model's full-attention next-token distributions at every position of the question, template and answer
+(``objectives.block_distill``; ``--full-weight`` also distills the full-attention pass). Features (frozen-bottom
+outputs, teacher states) are cached per row in ``--cache-dir``; the run folder ``<cache-dir>/run_<hash>`` resumes;
+the tuned model is written as an HF folder ``<run>/model`` that ``--model`` accepts.
+
+    rag-jax eval block_distill --ll-rows 100                                   # base model: the gap
+    rag-jax eval block_distill --ll-rows 200 --train-rows 400 --steps 200 --top-layers 8 --train-passages 5
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
+from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, output_file, real
+from rag_jax.evaluation.tables import table
+
+
+def build_rows(chat, eos_id: int, examples, texts, gold_ids, questions, negatives, seed: int):
+    """One ``BlockExample`` per question: its chat blocks with the gold passage at a seeded random position among
+    all its ``negatives``, response = first gold answer + ``eos_id`` (``block_nq.training_examples`` with no
+    length limit)."""
+    from rag_jax.evaluation.block_nq import training_examples
+
+    rows, _ = training_examples(chat, eos_id, examples, texts, gold_ids, questions, negatives, 1 << 30, seed)
+    return rows
+
+
+def main(argv=None) -> int:
+    from rag_jax.train.block_distill import DistillConfig
+
+    d = DistillConfig()
+    p = ScriptParser(prog="rag-jax eval block_distill", description=__doc__)
+    p.add_argument("--model", type=model_source, default="smollm2-135m-instruct",
+                   help="embedded name, .gguf file or HF folder (tied embeddings)")
+    p.add_argument("--data", type=input_file, default=str(shared_file(*NQ_ORACLE)))
+    p.add_argument("--heldout", type=real(0, 1, lo_open=True, hi_open=True), default=0.2,
+                   help="fraction of the questions held out (block_nq's split)")
+    p.add_argument("--seed", type=integer(0), default=0, help="split seed (the rows' gold positions: seed + 1)")
+    p.add_argument("--num-passages", type=integer(1), default=10, help="passages per held-out row")
+    p.add_argument("--ll-rows", type=integer(2), default=200, help="held-out rows of the log-likelihood table")
+    p.add_argument("--train-rows", type=integer(1), default=400)
+    p.add_argument("--train-passages", type=integer(1), default=None, help="passages per training row "
+                   "(default --num-passages)")
+    p.add_argument("--top-layers", type=integer(1), default=d.top_layers)
+    p.add_argument("--steps", type=integer(0), default=0, help="distillation steps; 0 = base model only")
+    p.add_argument("--batch-size", type=integer(1), default=d.batch_size, help="rows per step")
+    p.add_argument("--lr", type=real(0, lo_open=True), default=d.learning_rate)
+    p.add_argument("--warmup", type=integer(0), default=d.warmup_steps)
+    p.add_argument("--full-weight", type=real(0), default=d.full_weight,
+                   help="weight of the full-attention pass's KL (0 = block pass only)")
+    p.add_argument("--seq-len", type=integer(16), default=None, help="training row length (default: longest row)")
+    p.add_argument("--cache-dir", type=Path, default=Path("runs/block_distill"),
+                   help="MiniLM pool embeddings, per-row features and the run folders")
+    p.add_argument("--out", type=output_file, default=None, help="JSON results")
+    args = p.parse_args(argv)
+    train_passages = args.train_passages or args.num_passages
+
+    from rag_jax.demo.real_model import ChatBlocks
+    from rag_jax.evaluation.block_nq import heldout_split, mine_negatives
+    from rag_jax.evaluation.stats import paired_difference
+    from rag_jax.model.load import load_model
+    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+    from rag_jax.retrieval.exact import ExactIndex
+    from rag_jax.train.block_distill import (DistillFeatures, answer_loglik, answer_logprobs, distill, export_hf,
+                                             target_positions)
+    from rag_jax.train.frozen_bottom import split_model
+
+    wall = time.perf_counter()
+    examples = load_nq_oracle(args.data)
+    pool, gold_ids = nq_passage_pool(examples)
+    train, heldout = heldout_split(len(examples), args.heldout, args.seed)
+    if args.ll_rows > len(heldout):
+        p.error(f"argument --ll-rows: {args.ll_rows} exceeds the {len(heldout)} held-out questions")
+    heldout = heldout[:args.ll_rows]
+    train_q = np.random.default_rng(args.seed).permutation(train)[:args.train_rows].tolist() if args.steps else []
+    texts = [f"(Title: {x.title}) {x.text}" for x in pool]
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    pool_cache = args.cache_dir / f"minilm_pool_{hashlib.sha1(str(args.data).encode()).hexdigest()[:8]}.npz"
+    emb = BertEmbedder()
+    if pool_cache.is_file():
+        p_vecs = np.load(pool_cache)["passages"]
+    else:
+        p_vecs = embed_texts(emb, [f"{x.title}\n{x.text}" for x in pool], desc="MiniLM pool")
+        np.savez(pool_cache, passages=p_vecs)
+    index = ExactIndex(p_vecs.shape[1])
+    index.add(p_vecs, np.arange(len(pool)))
+
+    loaded = load_model(args.model)
+    chat, eos = ChatBlocks(loaded), loaded.eos_ids[0]
+    eval_rows = build_rows(chat, eos, examples, texts, gold_ids, heldout,
+                           mine_negatives(emb, index, pool, examples, gold_ids, heldout, args.num_passages - 1),
+                           args.seed + 1)
+    features = DistillFeatures(loaded.model, args.top_layers, cache_dir=args.cache_dir / "features")
+    feats = features.compute(eval_rows, desc="features (held-out rows)")
+    logp = {"full (base)": [f["logp_full"] for f in feats], "block (base)": [f["logp_block"] for f in feats]}
+    info: dict = {}
+    if args.steps:
+        train_rows = build_rows(chat, eos, examples, texts, gold_ids, train_q,
+                                mine_negatives(emb, index, pool, examples, gold_ids, train_q, train_passages - 1),
+                                args.seed + 2)
+        seq_len = args.seq_len or max(r.num_tokens for r in train_rows)
+        cfg = DistillConfig(top_layers=args.top_layers, steps=args.steps, batch_size=args.batch_size,
+                            seq_len=-(-seq_len // 64) * 64,
+                            max_targets=-(-max(len(target_positions(r)[0]) for r in train_rows) // 16) * 16,
+                            full_weight=args.full_weight, learning_rate=args.lr, warmup_steps=args.warmup,
+                            seed=args.seed, save_every=max(1, min(25, args.steps)))
+        recipe = {"model": str(args.model), "data": str(args.data), "heldout": args.heldout, "seed": args.seed,
+                  "train_rows": args.train_rows, "train_passages": train_passages, **dataclasses.asdict(cfg)}
+        run_dir = args.cache_dir / f"run_{hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]}"
+        print(f"distillation: {len(train_rows)} rows, {np.mean([len(r.blocks) - 2 for r in train_rows]):.1f} "
+              f"passages and {np.mean([r.num_tokens for r in train_rows]):.0f} tokens per row; {cfg}; {run_dir}",
+              flush=True)
+        t0, c0 = time.perf_counter(), time.process_time()
+        tuned, result = distill(loaded, train_rows, cfg, run_dir, features=features,
+                                extra_config={"block_distill": recipe})
+        info["distill"] = {"run_dir": str(run_dir), "steps": result.step, "train_seconds": result.train_seconds,
+                           "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+                           "history": result.history}
+        top = split_model(tuned, args.top_layers)[1]
+        logp["block (distilled)"] = answer_logprobs(top, eval_rows, feats, "block")
+        logp["full (distilled)"] = answer_logprobs(top, eval_rows, feats, "full")
+        export_hf(loaded, tuned, run_dir / "model")
+        print(f"tuned model: {run_dir / 'model'} (--model accepts it)", flush=True)
+
+    ll = {name: answer_loglik(eval_rows, lp) for name, lp in logp.items()}
+    base_gap = ll["full (base)"] - ll["block (base)"]
+    rows, results = [], {}
+    for name, x in ll.items():
+        diff = paired_difference(x, ll["full (base)"]) if name != "full (base)" else None
+        closed = (float(np.mean(x - ll["block (base)"]) / np.mean(base_gap))
+                  if name.startswith("block") and name != "block (base)" else None)
+        results[name] = {"loglik_mean": float(x.mean()), "vs_full_base": diff, "gap_closed": closed,
+                         "loglik": x.tolist()}
+        rows.append([name, f"{x.mean():.3f}",
+                     "" if diff is None else f"{diff['mean']:+.3f} [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}]",
+                     "" if diff is None else f"{diff['p']:.2g}", "" if closed is None else f"{closed:.0%}"])
+    print(f"# {args.model}, NQ-open held-out: {len(eval_rows)} rows of {args.num_passages} passages (gold at a seeded "
+          f"random position among MiniLM hard negatives); gold-answer log-likelihood (nats)")
+    print(table(["inference", "mean LL", "vs full (base) [95% CI]", "Wilcoxon p", "gap closed"], rows))
+    info["wall_seconds"] = time.perf_counter() - wall
+    if args.out is not None:
+        from rag_jax.atomic import write_text
+        write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **info,
+                                         "results": results}, indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

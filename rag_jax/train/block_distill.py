@@ -1,0 +1,368 @@
+"""Block-Attention fine-tuning of a pretrained chat model by self-distillation from its own full attention.
+
+The objective is ``objectives.block_distill.BlockDistillLoss`` (the reasons are there). This module holds what
+feeds it and what comes out:
+
+- ``DistillFeatures``: per training or evaluation row (a ``block_rag.BlockExample``), the frozen bottom's output
+  in block and in causal mode, the teacher's (base model, full attention) hidden states after the final norm at
+  the target positions, and the log-probability of each target's actual next token under full and under block
+  attention of the base model. All from one jitted pass per batch of rows; rows are kept in ``.npz`` files named
+  by a hash of the base model's weights, the split and the row, so a cache hit is never stale and reruns,
+  resumed runs and later evaluations pay nothing.
+- ``distill``: trains the top ``top_layers`` layers (``rag_jax.train.frozen_bottom``) with the one trainer into a
+  run folder (resumed when rerun) and returns the full tuned model (``merge_top``).
+- ``answer_logprobs``: per-target log-probabilities of any top (base or tuned) from the cached features, in
+  block or full mode: the paired log-likelihood evaluation costs ``top_layers / num_layers`` of a forward.
+- ``export_hf``: the tuned model as an HF folder with the base model's tokenizer and chat template, which
+  ``--model`` (``rag_jax.model.load.load_model``) accepts.
+
+Targets (``target_positions``): every position of the last block and the response except the final token, i.e.
+the positions whose next token is a question, template or response token; the position before the last block
+(the end of a local passage block) is not one, since in block mode it sees its own passage only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from rag_jax.data.block_rag import BlockExample
+
+FEATURE_KEYS = ("block_x", "full_x", "teacher_hidden", "logp_full", "logp_block")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Attributes:
+      top_layers: top decoder layers trained (with the final norm); the rest is the frozen bottom.
+      steps: optimizer steps.
+      batch_size: rows per step.
+      seq_len: rows are right-padded to this many tokens (one compiled shape); longer rows are an error.
+      max_targets: target slots per row (padded); a row with more targets is an error.
+      full_weight: weight of the full-attention pass's KL (``BlockDistillLoss``); 0 = block pass only.
+      learning_rate, warmup_steps: AdamW peak rate (cosine decay to 10%) and linear warmup; no weight decay.
+      seed: row order.
+      save_every: checkpoint interval in steps (the last step is always saved).
+    """
+
+    top_layers: int = 8
+    steps: int = 200
+    batch_size: int = 4
+    seq_len: int = 1536
+    max_targets: int = 128
+    full_weight: float = 1.0
+    learning_rate: float = 1e-4
+    warmup_steps: int = 10
+    seed: int = 0
+    save_every: int = 25
+
+    def __post_init__(self):
+        for name in ("top_layers", "steps", "batch_size", "seq_len", "max_targets", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"distill {name}={getattr(self, name)} must be >= 1")
+        if not self.full_weight >= 0:
+            raise ValueError(f"distill full_weight={self.full_weight} must be >= 0")
+        if not self.learning_rate > 0:
+            raise ValueError(f"distill learning_rate={self.learning_rate} must be > 0")
+
+
+def target_positions(example: BlockExample) -> tuple[np.ndarray, np.ndarray]:
+    """``(positions, is_response)``: int32 positions ``t`` of the last block and the response whose next token
+    ``t + 1`` exists (``t`` in ``[start of the last block, num_tokens - 2]``), and bool: token ``t + 1`` is a
+    response token. Raises ValueError for an example with a one-token last block and no response (no target)."""
+    n = example.num_tokens
+    start = n - len(example.blocks[-1]) - len(example.response)
+    positions = np.arange(start, n - 1, dtype=np.int32)
+    if positions.size == 0:
+        raise ValueError("example has no target: its last block and response hold a single token")
+    return positions, positions + 1 >= n - len(example.response)
+
+
+def row_arrays(example: BlockExample, seq_len: int) -> dict[str, np.ndarray]:
+    """``tokens``, ``positions``, ``segment_ids``, ``is_global`` ``[seq_len]`` (``BlockExample.to_arrays``)."""
+    arrays = example.to_arrays(seq_len)
+    return {k: arrays[k] for k in ("tokens", "positions", "segment_ids", "is_global")}
+
+
+@functools.partial(jax.jit, static_argnames=("bottom_def", "top_def"))
+def _features(bottom_def, bottom_state, top_def, top_state, tokens, positions, segment_ids, is_global, index):
+    """One batch of rows -> (block_x, full_x ``[B, S, hidden]``, teacher_hidden ``[B, G, hidden]``, logp_full,
+    logp_block ``[B, G]``), float32."""
+    bottom, top = nnx.merge(bottom_def, bottom_state), nnx.merge(top_def, top_state)
+    block_x = bottom.residual(tokens, positions, segment_ids, mode="block", is_global=is_global).astype(jnp.float32)
+    full_x = bottom.residual(tokens, positions, segment_ids, mode="causal").astype(jnp.float32)
+    h_full = _at(top(tokens, positions, segment_ids, mode="causal", inputs_embeds=full_x).hidden, index)
+    h_block = _at(top(tokens, positions, segment_ids, mode="block", is_global=is_global, inputs_embeds=block_x).hidden,
+                  index)
+    return (block_x, full_x, h_full.astype(jnp.float32), _next_logp(top, h_full, tokens, index),
+            _next_logp(top, h_block, tokens, index))
+
+
+def _at(hidden, index):
+    return jnp.take_along_axis(hidden, index[:, :, None], axis=1)
+
+
+def _next_logp(top, hidden, tokens, index):
+    """log p(tokens[index + 1]) from ``hidden`` at ``index`` ``[B, G, hidden]`` -> float32 ``[B, G]``."""
+    logp = jax.nn.log_softmax(top.logits(hidden), axis=-1)
+    nxt = jnp.take_along_axis(tokens, jnp.minimum(index + 1, tokens.shape[1] - 1), axis=1)
+    return jnp.take_along_axis(logp, nxt[:, :, None], axis=-1)[:, :, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("top_def", "mode"))
+def _top_logp(top_def, top_state, tokens, positions, segment_ids, is_global, inputs_embeds, index, mode):
+    top = nnx.merge(top_def, top_state)
+    hidden = top(tokens, positions, segment_ids, mode=mode, is_global=is_global, inputs_embeds=inputs_embeds).hidden
+    return _next_logp(top, _at(hidden, index), tokens, index)
+
+
+class DistillFeatures:
+    """Cached per-row inputs of ``BlockDistillLoss`` and of the log-likelihood evaluation (module docstring).
+
+    Args:
+      model: the base ``Transformer`` (teacher, and the student's starting point); tied embeddings.
+      top_layers: layers of the trained top (``frozen_bottom.split_model``).
+      cache_dir: folder of the per-row ``.npz`` files (None: memory only).
+      batch_tokens: padded tokens per forward.
+
+    Raises:
+      ValueError: untied embeddings (the teacher's logits are read through the student's head, which must be
+        the frozen embedding), or ``top_layers`` outside ``[1, num_layers)``.
+    """
+
+    def __init__(self, model, top_layers: int, *, cache_dir: str | os.PathLike | None = None,
+                 batch_tokens: int = 8192):
+        from rag_jax.inference.kv_store import model_fingerprint
+        from rag_jax.train.frozen_bottom import split_model
+
+        if not model.config.tie_embeddings:
+            raise ValueError("Block-Attention distillation needs tied embeddings: the teacher's logits are read "
+                             "through the student's output head, which must stay the frozen embedding")
+        self.model = model
+        self.bottom, self.top = split_model(model, top_layers)
+        self.top_layers = top_layers
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        self.batch_tokens = batch_tokens
+        self.fingerprint = hashlib.sha256(f"{model_fingerprint(model, model.config)}/top{top_layers}".encode()
+                                          ).hexdigest()
+        self._rows: dict[str, dict[str, np.ndarray]] = {}
+
+    def key(self, example: BlockExample) -> str:
+        """The row's cache key: the base model's weights, the split and the row's token ids and block bounds."""
+        bounds = [len(b) for b in example.blocks] + [len(example.response)]
+        return hashlib.sha256(json.dumps([self.fingerprint, example.prompt, list(example.response), bounds]).encode()
+                              ).hexdigest()[:32]
+
+    def compute(self, examples: Sequence[BlockExample], *, desc: str = "distillation features",
+                progress: bool = True) -> list[dict[str, np.ndarray]]:
+        """The features of every example (``FEATURE_KEYS``: ``block_x``/``full_x`` float32 ``[n, hidden]``,
+        ``teacher_hidden`` ``[g, hidden]``, ``logp_full``/``logp_block`` ``[g]`` for the ``g`` targets of
+        ``target_positions``), computing the rows found neither in memory nor in ``cache_dir``."""
+        from rag_jax.atomic import write_bytes
+
+        todo = []
+        for ex in examples:
+            k = self.key(ex)
+            if k in self._rows:
+                continue
+            path = self._path(k)
+            if path is not None and path.is_file():
+                with np.load(path) as f:
+                    self._rows[k] = {name: f[name] for name in FEATURE_KEYS}
+            else:
+                todo.append(ex)
+        todo = list({self.key(ex): ex for ex in todo}.values())
+        todo.sort(key=lambda ex: ex.num_tokens)
+        bottom_def, bottom_state = nnx.split(self.bottom)
+        top_def, top_state = nnx.split(self.top)
+        with tqdm(total=len(todo), desc=desc, unit="row", disable=not progress) as bar:
+            start = 0
+            while start < len(todo):
+                width = _round_up(todo[start].num_tokens, 256)
+                chunk = [ex for ex in todo[start:start + max(1, self.batch_tokens // width)] if ex.num_tokens <= width]
+                g = max(len(target_positions(ex)[0]) for ex in chunk)
+                batch = _stack([row_arrays(ex, width) for ex in chunk], len(chunk))
+                index = np.zeros((len(chunk), _round_up(g, 16)), np.int32)
+                for i, ex in enumerate(chunk):
+                    t = target_positions(ex)[0]
+                    index[i, :len(t)] = t
+                out = [np.asarray(x) for x in _features(bottom_def, bottom_state, top_def, top_state,
+                                                        batch["tokens"], batch["positions"], batch["segment_ids"],
+                                                        batch["is_global"], index)]
+                for i, ex in enumerate(chunk):
+                    n, g_i = ex.num_tokens, len(target_positions(ex)[0])
+                    row = dict(zip(FEATURE_KEYS, (out[0][i, :n], out[1][i, :n], out[2][i, :g_i], out[3][i, :g_i],
+                                                  out[4][i, :g_i])))
+                    k = self.key(ex)
+                    self._rows[k] = row
+                    if self.cache_dir is not None:
+                        buf = io.BytesIO()
+                        np.savez(buf, **row)
+                        write_bytes(self._path(k), buf.getvalue())
+                start += len(chunk)
+                bar.update(len(chunk))
+        return [self._rows[self.key(ex)] for ex in examples]
+
+    def _path(self, key: str) -> Path | None:
+        return None if self.cache_dir is None else self.cache_dir / f"{key}.npz"
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _stack(rows: Sequence[dict[str, np.ndarray]], height: int) -> dict[str, np.ndarray]:
+    return {k: np.stack([r[k] for r in rows] + [np.zeros_like(rows[0][k])] * (height - len(rows)))
+            for k in rows[0]}
+
+
+def distill_batch(examples: Sequence[BlockExample], features: Sequence[dict], seq_len: int, max_targets: int,
+                  *, full: bool = True) -> dict[str, np.ndarray]:
+    """The ``BlockDistillLoss`` batch of ``examples`` with their ``DistillFeatures.compute`` rows, right-padded to
+    ``seq_len`` tokens and ``max_targets`` target slots (``full``: with ``full_inputs_embeds``).
+
+    Raises:
+      ValueError: an example longer than ``seq_len`` or with more than ``max_targets`` targets.
+    """
+    hidden = features[0]["block_x"].shape[1]
+    b = len(examples)
+    out = _stack([row_arrays(ex, seq_len) for ex in examples], b)
+    out["block_inputs_embeds"] = np.zeros((b, seq_len, hidden), np.float32)
+    if full:
+        out["full_inputs_embeds"] = np.zeros((b, seq_len, hidden), np.float32)
+    out["target_index"] = np.zeros((b, max_targets), np.int32)
+    out["target_mask"] = np.zeros((b, max_targets), np.float32)
+    out["teacher_hidden"] = np.zeros((b, max_targets, hidden), np.float32)
+    for i, (ex, f) in enumerate(zip(examples, features)):
+        t = target_positions(ex)[0]
+        if ex.num_tokens > seq_len or len(t) > max_targets:
+            raise ValueError(f"distillation row {i} has {ex.num_tokens} tokens and {len(t)} targets; seq_len="
+                             f"{seq_len} and max_targets={max_targets} must hold them (raise them or drop the row)")
+        n = ex.num_tokens
+        out["block_inputs_embeds"][i, :n] = f["block_x"]
+        if full:
+            out["full_inputs_embeds"][i, :n] = f["full_x"]
+        out["target_index"][i, :len(t)] = t
+        out["target_mask"][i, :len(t)] = 1.0
+        out["teacher_hidden"][i, :len(t)] = f["teacher_hidden"]
+    return out
+
+
+def answer_logprobs(top, examples: Sequence[BlockExample], features: Sequence[dict], mode: str, *,
+                    batch_size: int = 4) -> list[np.ndarray]:
+    """Per example, float32 ``[g]``: log p(next token) at its targets under ``top`` (a top model of the same
+    split, base or tuned) in ``mode`` (``"block"`` or ``"full"``), from the cached bottom outputs.
+
+    Raises:
+      ValueError: unknown mode.
+    """
+    if mode not in ("block", "full"):
+        raise ValueError(f"mode={mode!r}; valid: block, full")
+    top_def, top_state = nnx.split(top)
+    out = []
+    order = np.argsort([ex.num_tokens for ex in examples], kind="stable")
+    by_index = {}
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        exs = [examples[i] for i in idx]
+        width = _round_up(max(ex.num_tokens for ex in exs), 256)
+        g = _round_up(max(len(target_positions(ex)[0]) for ex in exs), 16)
+        batch = distill_batch(exs, [features[i] for i in idx], width, g, full=(mode == "full"))
+        x = batch["block_inputs_embeds" if mode == "block" else "full_inputs_embeds"]
+        logp = np.asarray(_top_logp(top_def, top_state, batch["tokens"], batch["positions"], batch["segment_ids"],
+                                    batch["is_global"], x, batch["target_index"],
+                                    "block" if mode == "block" else "causal"))
+        for j, i in enumerate(idx):
+            by_index[int(i)] = logp[j, :len(target_positions(examples[i])[0])]
+    out = [by_index[i] for i in range(len(examples))]
+    return out
+
+
+def answer_loglik(examples: Sequence[BlockExample], logprobs: Sequence[np.ndarray], *,
+                  drop_last: int = 1) -> np.ndarray:
+    """float64 ``[n]``: the response's teacher-forced log-likelihood per example (sum over its response tokens
+    of ``logprobs``), without the last ``drop_last`` response tokens (default 1: the end-of-turn token)."""
+    out = []
+    for ex, lp in zip(examples, logprobs):
+        is_resp = target_positions(ex)[1]
+        keep = np.flatnonzero(is_resp)
+        keep = keep[:len(keep) - drop_last] if drop_last else keep
+        out.append(float(np.sum(lp[keep], dtype=np.float64)))
+    return np.asarray(out, np.float64)
+
+
+def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_dir: str | os.PathLike, *,
+            features: DistillFeatures | None = None, extra_config: dict | None = None, hooks=()):
+    """Train the top ``cfg.top_layers`` layers of ``loaded.model`` by ``BlockDistillLoss`` into ``run_dir``
+    (resumed when it holds checkpoints of the same run) -> ``(tuned full Transformer, trainer.TrainResult)``.
+
+    Raises:
+      ValueError: no examples, a row longer than ``cfg.seq_len`` or with more than ``cfg.max_targets`` targets,
+        untied embeddings (all before compiling).
+    """
+    from rag_jax import sharding
+    from rag_jax.data.pipeline import DataConfig
+    from rag_jax.train import checkpoint, optim, trainer
+    from rag_jax.train.frozen_bottom import TOP_TRAINABLE, merge_top
+    from rag_jax.train.objectives.block_distill import BlockDistillLoss
+
+    if not examples:
+        raise ValueError("distill needs at least one training example")
+    for i, ex in enumerate(examples):
+        g = len(target_positions(ex)[0])
+        if ex.num_tokens > cfg.seq_len or g > cfg.max_targets:
+            raise ValueError(f"training row {i} has {ex.num_tokens} tokens and {g} targets; seq_len={cfg.seq_len} "
+                             f"and max_targets={cfg.max_targets} must hold them")
+    features = features or DistillFeatures(loaded.model, cfg.top_layers)
+    feats = features.compute(examples, desc="distillation features (train)")
+    order = np.random.default_rng(cfg.seed).permutation(len(examples))
+    full = cfg.full_weight > 0
+
+    def batch(step: int) -> dict[str, np.ndarray]:
+        idx = [int(order[(step * cfg.batch_size + i) % len(order)]) for i in range(cfg.batch_size)]
+        return distill_batch([examples[i] for i in idx], [feats[i] for i in idx], cfg.seq_len, cfg.max_targets,
+                             full=full)
+
+    top = features.top
+    run_cfg = trainer.RunConfig(
+        model=top.config, data=DataConfig(seq_len=cfg.seq_len), mesh=sharding.MeshConfig(data=1, fsdp=-1, tensor=1),
+        optimizer=optim.OptimizerConfig(learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+                                        weight_decay=0.0, trainable=TOP_TRAINABLE),
+        train=trainer.TrainConfig(steps=cfg.steps, global_batch_size=cfg.batch_size, seed=cfg.seed, log_every=1,
+                                  run_dir=str(run_dir)),
+        checkpoint=checkpoint.CheckpointConfig(save_every=cfg.save_every, keep=1),
+        logging=trainer.LoggingConfig(tensorboard=False))
+    task = trainer.Task(BlockDistillLoss(full_weight=cfg.full_weight), batch, name="Block-Attention distillation",
+                        progress_keys=("kl_block", "kl_full"))
+    extra = {"distill": dataclasses.asdict(cfg), "base_fingerprint": features.fingerprint, **(extra_config or {})}
+    result = trainer.run(run_cfg, task, init_params=nnx.state(top, nnx.Param), hooks=hooks, extra_config=extra)
+    return merge_top(loaded.model, result.state.params), result
+
+
+def export_hf(loaded, model, path: str | os.PathLike) -> Path:
+    """Write ``model`` (e.g. the tuned model) as an HF folder with ``loaded``'s tokenizer, chat template, special
+    tokens and end ids, so ``load_model(path)`` prompts it as the base model (atomic, ``hf.save_hf``)."""
+    from rag_jax.model.hf import save_hf
+
+    extra = {}
+    if loaded.tokenizer is not None:
+        extra["tokenizer.json"] = loaded.tokenizer.to_str()
+    tok_cfg = {**loaded.special_tokens, "tokenizer_class": "PreTrainedTokenizerFast",
+               "model_max_length": model.config.max_seq_len}
+    if loaded.chat_template:
+        tok_cfg["chat_template"] = loaded.chat_template
+    extra["tokenizer_config.json"] = json.dumps(tok_cfg, indent=2, ensure_ascii=False)
+    if loaded.eos_ids:
+        extra["generation_config.json"] = json.dumps({"eos_token_id": list(loaded.eos_ids)}, indent=2)
+    return save_hf(model, path, loaded.arch, extra_files=extra, overwrite=True)
