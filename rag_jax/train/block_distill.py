@@ -189,7 +189,7 @@ class DistillFeatures:
         with tqdm(total=len(todo), desc=desc, unit="row", disable=not progress) as bar:
             start = 0
             while start < len(todo):
-                width = _round_up(todo[start].num_tokens, 256)
+                width = self._width(todo[start].num_tokens)
                 chunk = [ex for ex in todo[start:start + max(1, self.batch_tokens // width)] if ex.num_tokens <= width]
                 g = max(len(target_positions(ex)[0]) for ex in chunk)
                 batch = _stack([row_arrays(ex, width) for ex in chunk], len(chunk))
@@ -213,6 +213,10 @@ class DistillFeatures:
                 start += len(chunk)
                 bar.update(len(chunk))
         return [self._rows[self.key(ex)] for ex in examples]
+
+    def _width(self, n: int) -> int:
+        """Padded row length: a multiple of 256 tokens (few compiled shapes), at most the model's maximum."""
+        return min(_round_up(n, 256), max(n, self.model.config.max_seq_len))
 
     def _path(self, key: str) -> Path | None:
         return None if self.cache_dir is None else self.cache_dir / f"{key}.npz"
@@ -276,7 +280,8 @@ def answer_logprobs(top, examples: Sequence[BlockExample], features: Sequence[di
     for s in range(0, len(order), batch_size):
         idx = order[s:s + batch_size]
         exs = [examples[i] for i in idx]
-        width = _round_up(max(ex.num_tokens for ex in exs), 256)
+        n = max(ex.num_tokens for ex in exs)
+        width = min(_round_up(n, 256), max(n, top.config.max_seq_len))
         g = _round_up(max(len(target_positions(ex)[0]) for ex in exs), 16)
         batch = distill_batch(exs, [features[i] for i in idx], width, g, full=(mode == "full"))
         x = batch["block_inputs_embeds" if mode == "block" else "full_inputs_embeds"]
@@ -311,7 +316,6 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
       ValueError: no examples, a row longer than ``cfg.seq_len`` or with more than ``cfg.max_targets`` targets,
         untied embeddings (all before compiling).
     """
-    from rag_jax import sharding
     from rag_jax.data.pipeline import DataConfig
     from rag_jax.train import checkpoint, optim, trainer
     from rag_jax.train.frozen_bottom import TOP_TRAINABLE, merge_top
@@ -336,7 +340,7 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
 
     top = features.top
     run_cfg = trainer.RunConfig(
-        model=top.config, data=DataConfig(seq_len=cfg.seq_len), mesh=sharding.MeshConfig(data=1, fsdp=-1, tensor=1),
+        model=top.config, data=DataConfig(seq_len=cfg.seq_len),
         optimizer=optim.OptimizerConfig(learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
                                         weight_decay=0.0, trainable=TOP_TRAINABLE),
         train=trainer.TrainConfig(steps=cfg.steps, global_batch_size=cfg.batch_size, seed=cfg.seed, log_every=1,

@@ -1,0 +1,187 @@
+"""Block-Attention self-distillation (rag_jax.train.block_distill, objectives.block_distill) against float64 NumPy
+computed from the whole model's own logits: the cached features (teacher states, log-probabilities of both modes),
+the loss value, the cache (hits equal, a changed model misses), a short run (the full pass starts at KL 0, the
+frozen bottom stays bit-identical, the HF export loads back), and the paired statistics."""
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rag_jax.data.block_rag import BlockExample
+from rag_jax.data.tokenizer import byte_tokenizer
+from rag_jax.model import ModelConfig, Transformer
+from rag_jax.model.load import LoadedModel, load_model
+from rag_jax.train.block_distill import (DistillConfig, DistillFeatures, answer_loglik, answer_logprobs,
+                                         distill, distill_batch, export_hf, target_positions)
+from rag_jax.train.frozen_bottom import split_model
+from rag_jax.train.objectives.block_distill import BlockDistillLoss
+
+CFG = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=2, num_kv_heads=1,
+                  max_seq_len=128, tie_embeddings=True)
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+            "<|im_start|>assistant\n")
+
+
+def _model(seed):
+    m = Transformer(CFG, rngs=nnx.Rngs(seed))
+    for i, norm in enumerate([m.final_norm] + [layer.input_norm for layer in m.layers]):  # random norm scales
+        norm.scale[...] = 1.0 + 0.3 * jax.random.normal(jax.random.key(seed + i), norm.scale.shape)
+    for layer in m.layers:                                              # strong, sharp attention: the modes
+        for w in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.attn.wo):  # differ clearly
+            w[...] = w[...] * 4
+    return m
+
+
+def _examples(rng, n):
+    return [BlockExample([rng.integers(1, 256, int(rng.integers(2, 9))).tolist() for _ in range(int(k))],
+                         rng.integers(1, 256, int(rng.integers(2, 5))).tolist())
+            for k in rng.integers(3, 6, n)]
+
+
+def _log_softmax64(logits):
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _reference(model, ex):
+    """float64 log-probabilities ``[n, vocab]`` of the whole model in causal and in block mode over ``ex``."""
+    a = {k: jnp.asarray(v[None]) for k, v in ex.to_arrays().items()}
+    full = model(a["tokens"], a["positions"], a["segment_ids"], mode="causal")
+    block = model(a["tokens"], a["positions"], a["segment_ids"], mode="block", is_global=a["is_global"])
+    return _log_softmax64(full.logits[0]), _log_softmax64(block.logits[0]), np.asarray(full.hidden[0], np.float64)
+
+
+def test_target_positions():
+    ex = BlockExample([[5, 6, 7], [8, 9], [10, 11, 12]], [13, 14])
+    t, is_resp = target_positions(ex)
+    assert t.tolist() == [5, 6, 7, 8] and is_resp.tolist() == [False, False, True, True]  # predict 11 12 | 13 14
+    assert target_positions(BlockExample([[1, 2], [3]], [4]))[0].tolist() == [2]
+    with pytest.raises(ValueError, match="no target"):
+        target_positions(BlockExample([[1, 2], [3]]))
+
+
+def test_features_and_loss_match_the_whole_model_in_float64(tmp_path):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 20))
+    model = _model(seed)
+    examples = _examples(rng, 5)
+    feats = DistillFeatures(model, 2, cache_dir=tmp_path, batch_tokens=512).compute(examples, progress=False)
+    kls = []
+    for ex, f in zip(examples, feats):
+        ref_full, ref_block, hidden = _reference(model, ex)
+        t, _ = target_positions(ex)
+        nxt = np.asarray(ex.prompt + list(ex.response))[t + 1]
+        np.testing.assert_allclose(f["logp_full"], ref_full[t, nxt], atol=2e-5)
+        np.testing.assert_allclose(f["logp_block"], ref_block[t, nxt], atol=2e-5)
+        np.testing.assert_allclose(f["teacher_hidden"], hidden[t], atol=2e-5)
+        assert f["block_x"].shape == f["full_x"].shape == (ex.num_tokens, CFG.hidden_size)
+        p = np.exp(ref_full[t])
+        kls.append(np.sum(p * (ref_full[t] - ref_block[t]), axis=-1))
+    assert np.concatenate(kls).mean() > 1e-3                                    # the modes differ clearly
+    # The loss over a batch: token mean of KL(full || block) over every target, block pass only, and with the full
+    # pass (KL 0 at the base model: the student's full mode is the teacher).
+    top = split_model(model, 2)[1]
+    batch = {k: jnp.asarray(v) for k, v in distill_batch(examples, feats, 48, 16).items()}
+    loss, m = BlockDistillLoss(full_weight=0.0)(top, batch)
+    want = np.concatenate(kls).mean()
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4, atol=1e-7)
+    loss, m = BlockDistillLoss(full_weight=1.0)(top, batch)
+    np.testing.assert_allclose(float(m["kl_block"]), want, rtol=1e-4, atol=1e-7)
+    assert abs(float(m["kl_full"])) < 1e-5 and float(m["num_targets"]) == sum(len(k) for k in kls)
+    np.testing.assert_allclose(float(loss), want / 2, rtol=1e-4, atol=1e-7)
+    # answer_logprobs of the base top reproduces the cached log-probabilities in both modes.
+    for mode, key in (("block", "logp_block"), ("full", "logp_full")):
+        for got, f in zip(answer_logprobs(top, examples, feats, mode, batch_size=2), feats):
+            np.testing.assert_allclose(got, f[key], atol=2e-5)
+
+
+def test_feature_cache_hits_equal_and_a_changed_model_misses(tmp_path):
+    rng = np.random.default_rng()
+    model = _model(int(rng.integers(1 << 20)))
+    examples = _examples(rng, 3)
+    first = DistillFeatures(model, 1, cache_dir=tmp_path).compute(examples, progress=False)
+    assert len(list(tmp_path.glob("*.npz"))) == 3
+    again = DistillFeatures(model, 1, cache_dir=tmp_path)
+    second = again.compute(examples, progress=False)                     # from the files
+    for a, b in zip(first, second):
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+    model.layers[0].mlp.down[...] = model.layers[0].mlp.down[...] * 1.5  # in place: the weights change
+    changed = DistillFeatures(model, 1, cache_dir=tmp_path).compute(examples, progress=False)
+    assert len(list(tmp_path.glob("*.npz"))) == 6                          # misses, new files
+    assert not np.allclose(changed[0]["logp_full"], first[0]["logp_full"])
+    ref_full = _reference(model, examples[0])[0]
+    t = target_positions(examples[0])[0]
+    nxt = np.asarray(examples[0].prompt + list(examples[0].response))[t + 1]
+    np.testing.assert_allclose(changed[0]["logp_full"], ref_full[t, nxt], atol=2e-5)
+
+
+def test_answer_loglik_sums_response_tokens_without_the_end_of_turn():
+    ex = BlockExample([[1, 2], [3, 4]], [5, 6, 7])                       # targets predict 4 | 5 6 7
+    lp = np.asarray([-1.0, -2.0, -4.0, -8.0])
+    assert answer_loglik([ex], [lp]).tolist() == [-6.0]
+    assert answer_loglik([ex], [lp], drop_last=0).tolist() == [-14.0]
+
+
+def test_distill_trains_the_top_only_and_exports_a_loadable_model(tmp_path):
+    rng = np.random.default_rng()
+    base = LoadedModel(CFG, _model(int(rng.integers(1 << 20))), "LlamaForCausalLM", byte_tokenizer(), TEMPLATE,
+                       (10,), {"eos_token": "\n"}, Path("tiny-chat"))
+    before = nnx.to_pure_dict(nnx.state(base.model, nnx.Param))
+    before = jax.tree.map(np.asarray, before)
+    examples = _examples(rng, 6)
+    cfg = DistillConfig(top_layers=1, steps=3, batch_size=8, seq_len=48, max_targets=16, learning_rate=1e-2,
+                        warmup_steps=0, save_every=1)
+    tuned, result = distill(base, examples, cfg, tmp_path / "run")
+    assert result.step == 3 and abs(result.history[0]["kl_full"]) < 1e-5 and result.history[0]["kl_block"] > 0
+    after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(tuned, nnx.Param)))
+    for i in range(CFG.num_layers):
+        same = jax.tree.leaves(jax.tree.map(np.array_equal, before["layers"][i], after["layers"][i]))
+        assert all(same) == (i < 3), i                                  # bottom bit-identical, top changed
+    assert np.array_equal(before["embedding"], after["embedding"])
+    again, resumed = distill(base, examples, cfg, tmp_path / "run")     # a finished run resumes at its end
+    assert resumed.start_step == 3
+    out = export_hf(base, tuned, tmp_path / "hf")
+    loaded = load_model(out)
+    assert loaded.chat_template == TEMPLATE and loaded.eos_ids == (10,) and loaded.tokenizer.encode("ab").ids == [97, 98]
+    tokens = jnp.asarray(rng.integers(1, 256, (1, 12)), jnp.int32)
+    pos, seg = jnp.arange(12)[None], jnp.ones((1, 12), jnp.int32)
+    np.testing.assert_allclose(np.asarray(loaded.model(tokens, pos, seg).logits),
+                               np.asarray(tuned(tokens, pos, seg).logits), atol=1e-5)
+    with pytest.raises(ValueError, match="training row 0 has .* tokens"):
+        distill(base, examples, DistillConfig(top_layers=1, seq_len=4), tmp_path / "other")
+
+
+def test_distill_config_and_untied_models_are_rejected_up_front():
+    with pytest.raises(ValueError, match="full_weight=-1"):
+        DistillConfig(full_weight=-1)
+    with pytest.raises(ValueError, match="top_layers=0"):
+        DistillConfig(top_layers=0)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        DistillFeatures(Transformer(CFG.replace(tie_embeddings=False), rngs=nnx.Rngs(0)), 1)
+
+
+def test_paired_statistics_match_their_definitions():
+    from math import comb
+
+    from rag_jax.evaluation.stats import mcnemar, paired_difference
+    rng = np.random.default_rng()
+    a, b = rng.random(60) < 0.5, rng.random(60) < 0.3
+    only_a, only_b, p = mcnemar(a, b)
+    n, k = only_a + only_b, min(only_a, only_b)
+    assert (only_a, only_b) == (int(np.sum(a & ~b)), int(np.sum(~a & b)))
+    np.testing.assert_allclose(p, min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2 ** n), rtol=1e-9)
+    assert mcnemar([True, False], [True, False]) == (0, 0, 1.0)
+    x, y = rng.normal(size=40), rng.normal(size=40)
+    d = paired_difference(x, y)
+    half = d["ci_high"] - d["mean"]
+    from scipy import stats
+    assert np.isclose(d["mean"], np.mean(x - y)) and np.isclose(half, stats.t.ppf(0.975, 39) * np.std(x - y, ddof=1)
+                                                                 / np.sqrt(40))
+    assert paired_difference(x + 5, x)["p"] < 1e-6 and paired_difference(x, x)["p"] == 1.0
+    with pytest.raises(ValueError, match="paired"):
+        mcnemar([True], [True, False])
