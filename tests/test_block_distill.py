@@ -185,3 +185,25 @@ def test_paired_statistics_match_their_definitions():
     assert paired_difference(x + 5, x)["p"] < 1e-6 and paired_difference(x, x)["p"] == 1.0
     with pytest.raises(ValueError, match="paired"):
         mcnemar([True], [True, False])
+
+
+def test_shared_prefix_block_logprobs_reduce_to_block_and_full_mode():
+    """``inference.block_prefix.block_logprobs``: with no prefix it is block mode (the features' log-probabilities,
+    a second implementation through the KV cache); with block 0 as the prefix and one passage it is full attention
+    (the passage then sits right after block 0, where full attention puts it); with two passages, neither."""
+    from rag_jax.inference.block_prefix import block_logprobs
+    rng = np.random.default_rng()
+    model = _model(int(rng.integers(1 << 20)))
+    one = BlockExample([rng.integers(1, 256, 5).tolist(), rng.integers(1, 256, 7).tolist(),
+                        rng.integers(1, 256, 4).tolist()], rng.integers(1, 256, 3).tolist())
+    two = BlockExample([*one.blocks[:2], rng.integers(1, 256, 6).tolist(), one.blocks[-1]], one.response)
+    feats = DistillFeatures(model, 2).compute([one, two], progress=False)
+    for ex, f in zip((one, two), feats):
+        np.testing.assert_allclose(block_logprobs(model, ex), f["logp_block"], atol=2e-5)
+    np.testing.assert_allclose(block_logprobs(model, one, shared_prefix=5), feats[0]["logp_full"], atol=2e-5)
+    shared = block_logprobs(model, two, shared_prefix=5)
+    assert np.abs(shared - feats[1]["logp_full"]).max() > 1e-3 and np.abs(shared - feats[1]["logp_block"]).max() > 1e-3
+    sink = block_logprobs(model, two, shared_prefix=1)
+    assert np.abs(sink - shared).max() > 1e-4
+    with pytest.raises(ValueError, match="shared_prefix=6"):
+        block_logprobs(model, two, shared_prefix=6)

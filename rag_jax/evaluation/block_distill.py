@@ -29,8 +29,11 @@ from pathlib import Path
 import numpy as np
 
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
-from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, output_file, real
+from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, names, output_file, real
 from rag_jax.evaluation.tables import table
+
+
+PREFIXES = ("sink", "system")
 
 
 def build_rows(chat, eos_id: int, examples, texts, gold_ids, questions, negatives, seed: int):
@@ -67,6 +70,14 @@ def main(argv=None) -> int:
     p.add_argument("--full-weight", type=real(0), default=d.full_weight,
                    help="weight of the full-attention pass's KL (0 = block pass only)")
     p.add_argument("--seq-len", type=integer(16), default=None, help="training row length (default: longest row)")
+    p.add_argument("--prefix", type=names(PREFIXES), default=[],
+                   help="training-free rows, comma-separated: sink (every passage block sees block 0's first token), "
+                        "system (every passage block sees all of block 0); rag_jax.inference.block_prefix")
+    p.add_argument("--em-questions", type=integer(0), default=0,
+                   help="the first N held-out rows also answered greedily (best-subspan EM, exact McNemar vs full "
+                        "attention of the base model); 0 = off")
+    p.add_argument("--max-new-tokens", type=integer(1), default=24)
+    p.add_argument("--em-batch-size", type=integer(1), default=8)
     p.add_argument("--cache-dir", type=Path, default=Path("runs/block_distill"),
                    help="MiniLM pool embeddings, per-row features and the run folders")
     p.add_argument("--out", type=output_file, default=None, help="JSON results")
@@ -111,6 +122,14 @@ def main(argv=None) -> int:
     features = DistillFeatures(loaded.model, args.top_layers, cache_dir=args.cache_dir / "features")
     feats = features.compute(eval_rows, desc="features (held-out rows)")
     logp = {"full (base)": [f["logp_full"] for f in feats], "block (base)": [f["logp_block"] for f in feats]}
+    for name in args.prefix:
+        from tqdm.auto import tqdm
+
+        from rag_jax.inference.block_prefix import block_logprobs
+        logp[f"block + {name} prefix (base)"] = [
+            block_logprobs(loaded.model, r, shared_prefix=1 if name == "sink" else len(r.blocks[0]))
+            for r in tqdm(eval_rows, desc=f"block + {name} prefix")]
+    models = {"base": loaded.model}
     info: dict = {}
     if args.steps:
         train_rows = build_rows(chat, eos, examples, texts, gold_ids, train_q,
@@ -134,6 +153,7 @@ def main(argv=None) -> int:
         info["distill"] = {"run_dir": str(run_dir), "steps": result.step, "train_seconds": result.train_seconds,
                            "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
                            "history": result.history}
+        models["distilled"] = tuned
         top = split_model(tuned, args.top_layers)[1]
         logp["block (distilled)"] = answer_logprobs(top, eval_rows, feats, "block")
         logp["full (distilled)"] = answer_logprobs(top, eval_rows, feats, "full")
@@ -155,12 +175,47 @@ def main(argv=None) -> int:
     print(f"# {args.model}, NQ-open held-out: {len(eval_rows)} rows of {args.num_passages} passages (gold at a seeded "
           f"random position among MiniLM hard negatives); gold-answer log-likelihood (nats)")
     print(table(["inference", "mean LL", "vs full (base) [95% CI]", "Wilcoxon p", "gap closed"], rows))
+    if args.em_questions:
+        info["em"] = em_table(loaded, models, examples, heldout[:args.em_questions], eval_rows[:args.em_questions],
+                              args)
     info["wall_seconds"] = time.perf_counter() - wall
     if args.out is not None:
         from rag_jax.atomic import write_text
         write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **info,
                                          "results": results}, indent=1, default=float))
     return 0
+
+
+def em_table(loaded, models: dict, examples, questions, rows, args) -> dict:
+    """Greedy answers of each model in full and block attention to ``rows`` (their blocks), best-subspan EM per
+    question, printed with the exact McNemar test against full attention of the base model; returns
+    ``{condition: {"em", "only_this", "only_full_base", "p", "correct"}}``."""
+    from rag_jax.evaluation.rag import generate_answers, score_answer
+    from rag_jax.evaluation.stats import mcnemar
+    from rag_jax.inference.block_attention import BlockAttention
+
+    prompts = [[list(b) for b in r.blocks] for r in rows]
+    correct = {}
+    for name, model in models.items():
+        ba = BlockAttention(model)
+        for mode in ("full", "block"):
+            t0 = time.perf_counter()
+            preds = generate_answers(ba, loaded.tokenizer, prompts, mode=mode, max_new_tokens=args.max_new_tokens,
+                                     batch_size=args.em_batch_size, eos_id=loaded.eos_ids)
+            correct[f"{mode} ({name})"] = [bool(score_answer(pr, examples[i].answers, golds_are_set=False)
+                                                ["subspan_em"]) for pr, i in zip(preds, questions)]
+            print(f"  {mode} ({name}): EM {np.mean(correct[f'{mode} ({name})']):.3f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    out, table_rows = {}, []
+    for cond, c in correct.items():
+        only, only_base, pval = mcnemar(c, correct["full (base)"])
+        out[cond] = {"em": float(np.mean(c)), "only_this": only, "only_full_base": only_base, "p": pval,
+                     "correct": c}
+        table_rows.append([cond, f"{np.mean(c):.3f}", "" if cond == "full (base)" else f"{only} vs {only_base}",
+                           "" if cond == "full (base)" else f"{pval:.2g}"])
+    print(f"# best-subspan EM, {len(rows)} held-out questions (gold at a seeded random position)")
+    print(table(["inference", "EM", "discordant vs full (base)", "McNemar p"], table_rows))
+    return out
 
 
 if __name__ == "__main__":
