@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from rag_jax.inference.generate import generate
-from rag_jax.inference.kv_store import KVStore, model_fingerprint
+from rag_jax.inference.kv_store import KVStore, WeightsFingerprint
 from rag_jax.model.embedding import GritFormat, encode, pad_length, tokenize_for_embedding
 from rag_jax.model.kv import KVSegment
 from rag_jax.model.transformer import Transformer
@@ -59,7 +59,8 @@ class GritCache:
       fmt: prompt strings (BOS/EOS text of the tokenizer).
       cache_attention: ``"bidirectional"`` (GRIT embedding pass) or ``"causal"``.
       reencode_positions: place a second cached segment after the first (True) or at 0 like the reference.
-      fingerprint: the model fingerprint for store keys (computed from the weights when None).
+      fingerprint: the model fingerprint for store keys (computed from the weights when None); weights
+        changed in place later are noticed and re-hashed (``WeightsFingerprint``), so old entries miss.
 
     Raises:
       ValueError: an unknown ``cache_attention``.
@@ -77,7 +78,7 @@ class GritCache:
         self.tokenizer, self.fmt = tokenizer, fmt
         self.cache_attention, self.reencode_positions = cache_attention, reencode_positions
         self.store = store if store is not None else KVStore(1 << 30)
-        self.fingerprint = fingerprint or model_fingerprint(self.state, self.config)
+        self._fingerprint = WeightsFingerprint(self.state, self.config, given=fingerprint)
         graphdef = self.graphdef
 
         @jax.jit
@@ -87,6 +88,11 @@ class GritCache:
 
         self._cache_pass = _cache_pass
 
+
+    @property
+    def fingerprint(self) -> str:
+        """The store-key fingerprint of the model's current weights (see ``WeightsFingerprint``)."""
+        return self._fingerprint()
 
     def cached_text_ids(self, text: str, *, bos: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and pool mask of a cached text: ``<s><|embed|>\\n{text}`` or (no BOS) ``\\n<|embed|>\\n{text}``.
