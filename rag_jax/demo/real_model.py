@@ -167,7 +167,7 @@ def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike |
 
 def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: bool):
     """The ``qa`` report section (as the default demo's ``_answers``) and the ``BlockAttention``."""
-    from tqdm.auto import tqdm
+    from rag_jax.progress import progress_bar
 
     from rag_jax.evaluation.rag import generate_answers, mean_scores, per_question, prompt_passages, score_answer
     from rag_jax.inference.block_attention import BlockAttention
@@ -185,7 +185,7 @@ def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: 
             ("retrieval_block", "retrieval", "block"), ("oracle_full", "oracle", "full"),
             ("oracle_block", "oracle", "block")]
     conditions, predictions, rows = {}, {}, {}
-    for name, which, mode in tqdm(plan, desc="answering", unit="condition", disable=not progress):
+    for name, which, mode in progress_bar(plan, enabled=progress, desc="answering", unit="condition"):
         t0 = time.perf_counter()
         preds = generate_answers(ba, loaded.tokenizer, prompts[which], mode=mode,
                                  max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,

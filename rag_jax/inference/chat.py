@@ -107,7 +107,6 @@ def _print_stream(loaded, prompt_ids, args, out) -> str:
 def _load(args):
     from rag_jax.model.load import load_model
 
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before the model loads
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer (tokenizer.json or GGUF tokenizer.ggml.*)")
@@ -150,15 +149,30 @@ def _convert(args) -> int:
     return 0
 
 
+def _sampling_arg(name: str, convert):
+    """An argparse type for one sampling parameter, checked by ``check_sampling`` while the command line is
+    parsed (before a model loads), so a bad value is a one-line error naming the flag."""
+    def parse(text: str):
+        value = convert(text)                     # ValueError: argparse's "invalid int value: 'x'"
+        try:
+            check_sampling(**{"max_new_tokens": 1, name: value})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+    parse.__name__ = convert.__name__
+    return parse
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Add ``chat``, ``generate`` and ``convert`` to the ``rag-jax`` command line."""
     def model_args(p):
         p.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"embedded model name ({DEFAULT_MODEL}), a .gguf file or an HF folder")
-        p.add_argument("--max-new-tokens", type=int, default=256)
-        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-        p.add_argument("--top-k", type=int, default=None)
-        p.add_argument("--top-p", type=float, default=None)
+        p.add_argument("--max-new-tokens", type=_sampling_arg("max_new_tokens", int), default=256, help=">= 1")
+        p.add_argument("--temperature", type=_sampling_arg("temperature", float), default=0.0,
+                       help="finite, >= 0; 0 = greedy")
+        p.add_argument("--top-k", type=_sampling_arg("top_k", int), default=None, help=">= 1")
+        p.add_argument("--top-p", type=_sampling_arg("top_p", float), default=None, help="in (0, 1]")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
 

@@ -35,7 +35,13 @@ class BM25Index:
     """
 
     def __init__(self, docs: Sequence[str], *, k1: float = 1.5, b: float = 0.75):
+        import logging
+
         import bm25s  # (its import runs a jax.lax.top_k, i.e. starts JAX)
+
+        # bm25s sets its own logger to DEBUG at import, so "Building index" lines reach any handler an
+        # application installs (a stray DEBUG line in the demo's log)
+        logging.getLogger("bm25s").setLevel(logging.WARNING)
 
         if isinstance(docs, str):
             raise ValueError("docs is a str; pass a list of documents")

@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from rag_jax.model.embedding import pad_length
 from rag_jax.model.transformer import Transformer
+from rag_jax.progress import progress_bar
 
 
 def _assemble(model: Transformer, num_layers: int, params: dict) -> Transformer:
@@ -129,7 +129,7 @@ class FrozenBottom:
             if _key(mode, ids) not in self._table:
                 todo[_key(mode, ids)] = ids
         order = sorted(todo.values(), key=len)
-        with tqdm(total=len(order), desc=desc, unit="row", disable=not progress) as bar:
+        with progress_bar(enabled=progress, total=len(order), desc=desc, unit="row") as bar:
             start = 0
             while start < len(order):
                 width = pad_length(len(order[start]))
