@@ -115,7 +115,7 @@ def test_config_key_without_its_section_suggests_the_dotted_key():
 
 
 def test_missing_model_file_is_reported_as_not_found(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"model path '.*nope\.gguf': not found$"):
+    with pytest.raises(FileNotFoundError, match=r"model path '.*nope\.gguf': not found; pass an embedded model name"):
         load_mod.resolve_model(tmp_path / "nope.gguf")
     with pytest.raises(FileNotFoundError, match="has neither config.json"):
         load_mod.resolve_model(tmp_path)
