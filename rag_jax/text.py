@@ -44,7 +44,8 @@ class Encoded(NamedTuple):
 
 @contextlib.contextmanager
 def _content_mode(tokenizer):
-    """``tokenizers.Tokenizer`` with special-token parsing off inside the block (restored after)."""
+    """``tokenizers.Tokenizer`` with special-token parsing off inside the block (restored after). The flag is
+    the tokenizer's own state, so one tokenizer must not encode from two threads at once here."""
     before = tokenizer.encode_special_tokens
     tokenizer.encode_special_tokens = True
     try:
