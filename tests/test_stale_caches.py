@@ -85,3 +85,26 @@ def test_em_llm_stream_refuses_changed_weights_and_reset_reads_them():
     fresh = EMLLM(model, cfg)                     # built before a change, nothing streamed: takes the new weights
     _update_in_place(model)
     np.testing.assert_allclose(fresh.prefill(tokens), EMLLM(model, cfg).prefill(tokens), rtol=0, atol=1e-6)
+
+
+def test_frozen_bottom_table_is_emptied_after_an_in_place_update():
+    """GRIT's frozen-bottom feature table (``rag-jax eval grit_pretrained``): a row precomputed before the bottom's
+    weights changed is not served after (KeyError, as an unknown row); precomputed again it equals the bottom's
+    own forward on the new weights. Before issue 27 the old features were returned."""
+    import jax.numpy as jnp
+
+    from rag_jax.train.frozen_bottom import FrozenBottom, split_model
+
+    bottom, _ = split_model(Transformer(CFG.replace(num_layers=2), rngs=nnx.Rngs(3)), 1)
+    frozen = FrozenBottom(bottom)
+    row = np.random.default_rng().integers(0, CFG.vocab_size, 9).astype(np.int32)
+    frozen.precompute("causal", [row], progress=False)
+    before = frozen.features("causal", row)
+    _update_in_place(bottom)
+    with pytest.raises(KeyError, match="precompute it first"):
+        frozen.features("causal", row)
+    frozen.precompute("causal", [row], progress=False)
+    t = jnp.asarray(row[None])
+    want = bottom.residual(t, jnp.arange(9)[None], jnp.ones((1, 9), jnp.int32), mode="causal")[0]
+    np.testing.assert_allclose(frozen.features("causal", row), np.asarray(want), atol=1e-5)
+    assert np.abs(frozen.features("causal", row) - before).max() > 1e-3
