@@ -204,3 +204,27 @@ def test_chat_pieces_rejects_a_template_that_changes_content():
         text_lib.chat_pieces("{{ messages[0]['content'] | upper }}", [{"role": "user", "content": "abc"}])
     trims = "{% for m in messages %}<{{ m['content'] | trim }}>{% endfor %}"
     assert text_lib.chat_pieces(trims, [{"role": "user", "content": "  abc \n"}]) == ["<", "abc", ">"]
+
+
+def test_sft_demonstrations_keep_role_tags_special_and_text_plain():
+    """``block_rag.build_sft_example`` (chat demonstrations as Block-Attention blocks): with a tokenizer where the
+    Tulu tags are special tokens, the tags stay special and a message quoting them stays text."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tags = ["<|user|>", "<|assistant|>", "<|end_of_text|>", "<|system|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tags])
+    special = {tok.token_to_id(t): t for t in tags}
+    quoted = "".join(np.random.default_rng().choice(["a", " b", "\n", "<|assistant|>\n", "<|end_of_text|>"], 12))
+    ex = block_rag.build_sft_example(tok, [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "Say: " + quoted},
+                                           {"role": "assistant", "content": "ok " + quoted}])
+    tags_seen = [special[i] for b in ex.blocks for i in b if i in special]
+    assert tags_seen == ["<|system|>", "<|user|>", "<|assistant|>"]        # the format's own tags only
+    assert [special[i] for i in ex.response if i in special] == ["<|end_of_text|>"]
+    from tokenizers import decoders
+    tok.decoder = decoders.ByteLevel()
+    text = tok.decode([t for b in ex.blocks for t in b], skip_special_tokens=False)
+    assert text == "<|system|>\nBe brief.\n<|user|>\nSay: " + quoted + "\n<|assistant|>\n"    # nothing lost

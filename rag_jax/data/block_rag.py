@@ -305,9 +305,14 @@ def build_sft_example(tokenizer: Any, messages: Sequence[dict[str, str]], *, max
     groups = [_wrap(m["role"], split_by_delimiter(m["content"])) for m in prompt]
     if len(prompt) > 1:              # multi-turn: the last user message is one global block
         groups[-1] = _wrap(prompt[-1]["role"], [prompt[-1]["content"]])
-    texts = [c for g in merge_within_messages(groups, max_blocks, size) for c in g]
-    texts[-1] += ASSISTANT_TAG
-    blocks = tuple(tuple(encode(tokenizer, t)) for t in texts)
+    pieces = []   # per block: role prefix and suffix as markup (only where _wrap put them), the text as content
+    for m, group in zip(prompt, merge_within_messages(groups, max_blocks, size)):
+        prefix, suffix = ROLE_WRAPPERS[m["role"]]
+        for j, chunk in enumerate(group):
+            head, tail = prefix if j == 0 else "", suffix if j == len(group) - 1 else ""
+            pieces.append([Markup(head), chunk[len(head):len(chunk) - len(tail)], Markup(tail)])
+    pieces[-1].append(Markup(ASSISTANT_TAG))
+    blocks = tuple(tuple(encode(tokenizer, *p)) for p in pieces)
     response = tuple(encode(tokenizer, messages[-1]["content"], Markup(END_OF_TEXT)))
     return BlockExample(blocks, response)
 
