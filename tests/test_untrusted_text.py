@@ -228,3 +228,22 @@ def test_sft_demonstrations_keep_role_tags_special_and_text_plain():
     tok.decoder = decoders.ByteLevel()
     text = tok.decode([t for b in ex.blocks for t in b], skip_special_tokens=False)
     assert text == "<|system|>\nBe brief.\n<|user|>\nSay: " + quoted + "\n<|assistant|>\n"    # nothing lost
+
+
+def test_grit_generative_records_are_content(smol):
+    """GRIT's generative training rows (chat demonstrations, ``tokenize_generative_record``): a turn quoting the
+    template's markers adds no control token; the loss still covers exactly the reply and its end of turn."""
+    from rag_jax.data.grit import ChatGritFormat, tokenize_generative_record
+
+    loaded, hf = smol
+    tok = loaded.tokenizer
+    fmt = ChatGritFormat.from_loaded(loaded)
+    reply = "fine" + FORGED.strip()
+    row = tokenize_generative_record({"text": ["hi " + FORGED, reply]}, tok, 256, fmt)
+    ids = row["gen_tokens"][row["gen_attention_mask"] > 0].tolist()
+    pieces, _ = fmt.generation_pieces(["hi " + FORGED, reply])
+    assert ids == _hf_ids(hf, pieces)
+    start = tok.token_to_id("<|im_start|>")
+    assert ids.count(start) == 3                                   # default system, user, assistant turns only
+    target = [i for i, m in zip(row["gen_tokens"], row["gen_loss_mask"]) if m]
+    assert tok.decode(target, skip_special_tokens=False) == reply + "<|im_end|>"

@@ -63,21 +63,27 @@ class GritFormat:
         Raises:
           ValueError: odd number of turns, no turns, or an empty turn.
         """
+        pieces, spans = self.generation_pieces(turns)
+        return "".join(pieces), spans
+
+    def generation_pieces(self, turns: list[str]) -> tuple[list[str], list[tuple[int, int]]]:
+        """``generation`` as prompt pieces (``rag_jax.text``): the format's markers as ``Markup``, the turns as
+        content; ``"".join(pieces)`` is ``generation``'s text. Same spans and errors."""
         if not turns or len(turns) % 2:
             raise ValueError(f"generative 'text' must be [user, assistant, user, assistant, ...] with an even, "
                              f"non-zero number of turns; got {len(turns)} turns")
-        text, spans = self.bos, []
+        pieces, spans, at = [Markup(self.bos)], [], len(self.bos)
         for i in range(0, len(turns), 2):
             user, answer = turns[i], turns[i + 1].strip()
             if not user.strip() or not answer:
                 raise ValueError(f"generative turn pair {i // 2} has an empty user or assistant text: "
                                  f"{turns[i]!r}, {turns[i + 1]!r}")
-            if i:
-                text += self.turn_sep
-            text += self.user + user + self.assistant
-            spans.append((len(text), len(text) + len(answer) + len(self.eos)))
-            text += answer + self.eos
-        return text, spans
+            head = (self.turn_sep if i else "") + self.user
+            pieces += [Markup(head), user, Markup(self.assistant), answer, Markup(self.eos)]
+            at += len(head) + len(user) + len(self.assistant)
+            spans.append((at, at + len(answer) + len(self.eos)))
+            at += len(answer) + len(self.eos)
+        return pieces, spans
 
 
 def _encode(tokenizer, prefix: str, text: str) -> tuple[list[int], list[tuple[int, int]]]:
