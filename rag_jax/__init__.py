@@ -21,10 +21,13 @@ if "xla_cpu_scheduler_type" not in os.environ.get("XLA_FLAGS", ""):
 def _cpu_only_without_accelerators() -> None:
     if "JAX_PLATFORMS" in os.environ:
         return
-    from jax._src import hardware_utils  # the checks JAX itself runs before warning about unused accelerators
-
-    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0 and not hardware_utils.has_visible_nvidia_gpu() \
-            and hardware_utils.num_available_amd_gpus(stop_at=1) == 0:
+    try:  # the checks JAX itself runs before warning about unused accelerators (private: absent -> leave JAX be)
+        from jax._src import hardware_utils as hw
+        accelerator = (hw.num_available_tpu_chips_and_device_id()[0] > 0 or hw.has_visible_nvidia_gpu()
+                       or hw.num_available_amd_gpus(stop_at=1) > 0)
+    except (ImportError, AttributeError, TypeError, OSError):
+        return
+    if not accelerator:
         import jax
         jax.config.update("jax_platforms", "cpu")
 
