@@ -121,3 +121,16 @@ def test_missing_model_file_is_reported_as_not_found(tmp_path):
         load_mod.resolve_model(tmp_path)
     with pytest.raises(FileNotFoundError, match="not an embedded model name"):
         load_mod.resolve_model("no-such-model")
+
+
+def test_tfds_build_writes_no_progress_bars_to_a_log(tmp_path, capfd):
+    """Building the PhantomWiki tfds dataset with stderr going to a file or pipe (not a terminal): tfds' own
+    progress bars stay off (carriage-return updates in the kill campaign's log before issue 27)."""
+    pytest.importorskip("tensorflow_datasets")
+    from rag_jax.data.phantom_tfds import PhantomWikiConfig, prepare
+
+    seed = int(np.random.default_rng().integers(1000))
+    cfg = PhantomWikiConfig(name=f"articles_p30_s{seed}", kind="articles", num_people=30, seed=seed, num_questions=0)
+    prepare(tmp_path, cfg)
+    err = capfd.readouterr().err
+    assert "\r" not in err and "examples/s" not in err, err[-300:]
