@@ -13,7 +13,10 @@ The CI budget is small (``RAG_JAX_FUZZ_EXAMPLES``, default 25 per fuzzer). The l
     RAG_JAX_FUZZ_EXAMPLES=1500 RAG_JAX_FUZZ_REPORT=fuzz.json python -m pytest -q tests/test_fuzz_loaders.py
 
 writes, per loader, the inputs tried, how many loaded, the distinct error messages (numbers masked), crashes, the
-slowest input and the peak RSS (and the baseline after loading the seeds).
+slowest input and the peak RSS (and the baseline after loading the seeds). Measured with 2,000 inputs per fuzzer
+(2026-12-02, 2 shared CPU cores, 142 s user CPU): 12,000 inputs, 0 crashes, 0 over the time bound (slowest 2.1 s);
+loaded / distinct errors: GGUF bytes 85 / 280, GGUF values 108 / 292, safetensors 140 / 89, config.json 584 / 190,
+config.yaml 204 / 362, tokenizer.json 221 / 60; peak RSS 416 MB vs 353 MB after loading the seeds.
 """
 import collections
 import json
