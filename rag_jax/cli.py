@@ -71,7 +71,9 @@ def _dispatch(verb: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rag-jax", description=__doc__.split("\n\n")[0],
+    from rag_jax.evaluation.args import ScriptParser  # one-line errors; the verbs' subparsers inherit the class
+
+    parser = ScriptParser(prog="rag-jax", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -146,9 +146,25 @@ def _check_container(value, tp, key):
     return type(value)(value) if origin is list else tuple(value)
 
 
-def _unknown(key: str, prefix: str, valid) -> ConfigError:
+def _nested_keys(cls, prefix: str = "") -> list[str]:
+    """Dotted keys of every field of ``cls``'s sections, recursively (``model.hidden_size``, ...)."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        sub = _section_type(hints[f.name]) if f.init else None
+        if sub is not None:
+            out += [f"{prefix}{f.name}.{k}" for k in [g.name for g in dataclasses.fields(sub) if g.init]]
+            out += _nested_keys(sub, f"{prefix}{f.name}.")
+    return out
+
+
+def _unknown(key: str, prefix: str, valid, cls=None) -> ConfigError:
     close = difflib.get_close_matches(key, list(valid), n=1)
+    # a field of a section given without its section (``hidden_size`` for ``model.hidden_size``)
+    nested = sorted({k for k in (_nested_keys(cls) if cls is not None else []) if k.rsplit(".", 1)[-1] == key})
     hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+    if nested:
+        hint = f"; did you mean {' or '.join(repr(prefix + k) for k in nested)}?"
     where = f" in section '{prefix.rstrip('.')}'" if prefix else ""
     return ConfigError(f"unknown config key '{prefix}{key}'{hint} Valid keys{where}: {sorted(valid)}")
 
@@ -172,7 +188,7 @@ def from_dict(cls, data: dict[str, Any] | None, prefix: str = "", _from_string: 
         kwargs.update(presets[name])
     for key, value in data.items():
         if key not in fields:
-            raise _unknown(key, prefix, list(fields) + (["preset"] if presets is not None else []))
+            raise _unknown(key, prefix, list(fields) + (["preset"] if presets is not None else []), cls)
         tp = hints[key]
         dotted = f"{prefix}{key}"
         sub = _section_type(tp)

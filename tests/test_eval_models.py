@@ -41,10 +41,11 @@ def test_run_folder_of_the_passkey_trainer(tmp_path):
 
 
 def test_bad_paths(tmp_path):
-    for path in (tmp_path / "nothing", tmp_path / "empty"):
+    for path, what in ((tmp_path / "nothing", "not found"),
+                       (tmp_path / "empty", "has neither config.json nor config.yaml")):
         path.mkdir() if path.name == "empty" else None
-        with pytest.raises(FileNotFoundError, match=f"--model: model '{path}' is not an embedded model name") as e:
+        with pytest.raises(FileNotFoundError, match=f"--model: model path '{path}': {what}") as e:
             load_for_eval(path)
-        assert "HF folder with config.json or a run folder" in str(e.value)
+        assert "an embedded model name" in str(e.value) and "HF folder with config.json or a run folder" in str(e.value)
     with pytest.raises(ValueError, match="task.num_passages"):
         rag_settings({"task": {"num_passages": 0}})

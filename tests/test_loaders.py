@@ -2,6 +2,7 @@
 import gzip
 import json
 
+import numpy as np
 import pytest
 
 from rag_jax.data import loaders
@@ -141,3 +142,22 @@ def test_shared_data_dir(tmp_path, monkeypatch):
     assert loaders.shared_data_dir() == tmp_path
     monkeypatch.setenv("RAG_JAX_SHARED_DATA", str(tmp_path / "absent"))
     assert loaders.shared_data_dir() is None
+
+
+def test_degenerate_files_load_as_empty_datasets(tmp_path):
+    """Issue 27: an empty / blank JSONL file and a PhantomWiki folder of empty lists are valid empty datasets
+    (documented in the module docstring), and a one-record file gives that one record."""
+    for text in ("", "\n\n"):
+        (tmp_path / "d.jsonl").write_text(text)
+        assert load_nq_oracle(tmp_path / "d.jsonl") == [] and load_kv_retrieval(tmp_path / "d.jsonl") == []
+    assert nq_passage_pool([]) == ([], [])
+    (tmp_path / "pw").mkdir()
+    for name in ("articles.json", "questions.json"):
+        (tmp_path / "pw" / name).write_text("[]")
+    data = load_phantomwiki(tmp_path / "pw")
+    assert data.articles == () and data.questions == ()
+    key, value = "k" + str(np.random.default_rng().integers(1 << 30)), "v"
+    (tmp_path / "one.jsonl").write_text(json.dumps({"ordered_kv_records": [[key, value], ["a", "b"]], "key": key,
+                                                    "value": value}) + "\n")
+    (ex,) = load_kv_retrieval(tmp_path / "one.jsonl")
+    assert (ex.key, ex.value) == (key, value)

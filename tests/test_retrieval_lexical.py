@@ -72,3 +72,29 @@ def test_bad_search():
         index.search(["alpha"], 0)
     with pytest.raises(ValueError, match="list of str"):
         index.search("alpha", 1)
+
+
+@pytest.mark.parametrize("docs", [["", "   "], ["the and of", "a", "it is"], ["", "the\n\t"]])
+def test_corpus_without_indexable_words_matches_nothing(docs):
+    """No document has a word (empty, blank, stop words only): every query scores 0 (bm25s raised
+    ``max() arg is an empty sequence`` before issue 27)."""
+    scores, ids = BM25Index(docs).search(["wax wby", "the", ""], 5)
+    n = len(docs)
+    np.testing.assert_array_equal(scores[:, :n], 0.0)
+    assert np.isneginf(scores[:, n:]).all() and (ids[:, n:] == -1).all()
+    assert sorted(ids[0, :n].tolist()) == list(range(n))
+
+
+def test_one_document_and_duplicate_documents_match_reference():
+    rng = np.random.default_rng()
+    one = [list(rng.choice(WORDS, size=rng.integers(1, 10)))]
+    base = [list(rng.choice(WORDS, size=rng.integers(1, 10))) for _ in range(4)]
+    dup = base + [base[1], base[1], base[3]]                          # repeated documents
+    for docs in (one, dup):
+        index = BM25Index([" ".join(d) for d in docs])
+        queries = [list(rng.choice(WORDS, size=rng.integers(1, 5))) for _ in range(10)] + [docs[0][:1]]
+        scores, ids = index.search([" ".join(q) for q in queries], len(docs))
+        for q, s, i in zip(queries, scores, ids):
+            ref = reference_scores(docs, q, 1.5, 0.75)
+            np.testing.assert_allclose(s, ref[i], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(s, np.sort(ref)[::-1], rtol=1e-5, atol=1e-6)

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from rag_jax.text import Markup, encode_pieces
+
 # Tulu-format strings of the v5 release (note §1.1, ``data_process/rag/step2_to_tulu_format.py``).
 RAG_SYSTEM = ("<|user|>\nYou are an intelligent AI assistant. Please answer questions based on the user's "
               "instructions. Below are some reference documents that may help you in answering the user's "
@@ -54,16 +56,14 @@ _DELIMITER_PATTERNS = {
 }
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens (no BOS).
+def encode(tokenizer: Any, *pieces: str) -> list[int]:
+    """Token ids of ``pieces`` joined, no BOS, by the one prompt rule (``rag_jax.text.encode_pieces``):
+    ``Markup`` pieces (a format's ``<eos>``, role tags) have their special tokens parsed; all other text is
+    content, where special-token text stays text (a retrieved passage cannot forge a control token).
 
-    Accepts a ``tokenizers.Tokenizer`` (returns an ``Encoding``), a transformers tokenizer (returns a
-    list) or a plain callable ``text -> list[int]``.
+    Accepts a ``tokenizers.Tokenizer``, a transformers tokenizer or a plain callable ``text -> list[int]``.
     """
-    if callable(tokenizer) and not hasattr(tokenizer, "encode"):
-        return [int(i) for i in tokenizer(text)]
-    out = tokenizer.encode(text, add_special_tokens=False)
-    return [int(i) for i in getattr(out, "ids", out)]
+    return encode_pieces(tokenizer, pieces).ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,9 +185,12 @@ def build_rag_example(tokenizer: Any, question: str, passages: Sequence[dict[str
             if "title" not in p or "text" not in p:
                 raise ValueError(f"passages[{i + j}] has keys {sorted(p)}; it needs 'title' and 'text'")
         texts.append("".join(passage_format.format(title=p["title"], text=p["text"]) for p in group))
-    texts.append(last_format.format(question=question))
-    blocks = tuple(tuple(encode(tokenizer, t)) for t in texts)
-    response_ids = tuple(encode(tokenizer, response + response_suffix)) if response else ()
+    before, after = last_format.split("{question}", 1) if "{question}" in last_format else (last_format, "")
+    pieces = [[Markup(system)]] if system else []
+    pieces += [[t] for t in texts[len(pieces):]]            # passages: content
+    pieces.append([Markup(before.format()), question, Markup(after.format())])
+    blocks = tuple(tuple(encode(tokenizer, *p)) for p in pieces)
+    response_ids = tuple(encode(tokenizer, response, Markup(response_suffix))) if response else ()
     example = BlockExample(blocks, response_ids)
     if max_len is not None and example.num_tokens > max_len:
         raise ValueError(f"RAG example has {example.num_tokens} tokens > max_len={max_len}; "
@@ -302,10 +305,15 @@ def build_sft_example(tokenizer: Any, messages: Sequence[dict[str, str]], *, max
     groups = [_wrap(m["role"], split_by_delimiter(m["content"])) for m in prompt]
     if len(prompt) > 1:              # multi-turn: the last user message is one global block
         groups[-1] = _wrap(prompt[-1]["role"], [prompt[-1]["content"]])
-    texts = [c for g in merge_within_messages(groups, max_blocks, size) for c in g]
-    texts[-1] += ASSISTANT_TAG
-    blocks = tuple(tuple(encode(tokenizer, t)) for t in texts)
-    response = tuple(encode(tokenizer, messages[-1]["content"] + END_OF_TEXT))
+    pieces = []   # per block: role prefix and suffix as markup (only where _wrap put them), the text as content
+    for m, group in zip(prompt, merge_within_messages(groups, max_blocks, size)):
+        prefix, suffix = ROLE_WRAPPERS[m["role"]]
+        for j, chunk in enumerate(group):
+            head, tail = prefix if j == 0 else "", suffix if j == len(group) - 1 else ""
+            pieces.append([Markup(head), chunk[len(head):len(chunk) - len(tail)], Markup(tail)])
+    pieces[-1].append(Markup(ASSISTANT_TAG))
+    blocks = tuple(tuple(encode(tokenizer, *p)) for p in pieces)
+    response = tuple(encode(tokenizer, messages[-1]["content"], Markup(END_OF_TEXT)))
     return BlockExample(blocks, response)
 
 

@@ -26,6 +26,7 @@ import grain
 import numpy as np
 
 from rag_jax.model.embedding import GritFormat, tokenize_for_embedding
+from rag_jax.text import encode_pieces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,13 @@ class ChatGritFormat:
         Raises:
           ValueError: no turns, an odd number of turns, an empty turn, or a template that drops a message.
         """
-        from rag_jax.inference.chat import render_chat
+        pieces, spans = self.generation_pieces(turns)
+        return "".join(pieces), spans
+
+    def generation_pieces(self, turns: list[str]) -> tuple[list[str], list[tuple[int, int]]]:
+        """``generation`` as prompt pieces (``rag_jax.text.chat_pieces``: the template's text as ``Markup``, the
+        messages as content); ``"".join(pieces)`` is ``generation``'s text. Same spans and errors."""
+        from rag_jax.text import Markup, chat_pieces
 
         if not turns or len(turns) % 2:
             raise ValueError(f"generative 'text' must be [user, assistant, user, assistant, ...] with an even, "
@@ -121,17 +128,16 @@ class ChatGritFormat:
                     for i, t in enumerate(turns)]
         if any(not m["content"].strip() for m in messages):
             raise ValueError(f"generative turns must be non-empty; got {turns!r:.200}")
-        text = render_chat(self.template, messages, add_generation_prompt=False, **dict(self.special_tokens))
-        spans, cursor = [], 0
-        for m in messages:
-            start = text.find(m["content"], cursor)
-            if start < 0:
-                raise ValueError(f"the chat template does not render the {m['role']} message {m['content']!r:.80}")
-            cursor = start + len(m["content"])
-            if m["role"] == "assistant":
-                end = cursor + (len(self.eos) if text.startswith(self.eos, cursor) else 0)
-                spans.append((start, end))
-        return text, spans
+        pieces = chat_pieces(self.template, messages, add_generation_prompt=False, **dict(self.special_tokens))
+        text = "".join(pieces)
+        spans, at, contents = [], 0, iter(messages)
+        for piece in pieces:
+            if not isinstance(piece, Markup):
+                m, end = next(contents), at + len(piece)
+                if m["role"] == "assistant":
+                    spans.append((at, end + (len(self.eos) if text.startswith(self.eos, end) else 0)))
+            at += len(piece)
+        return pieces, spans
 
 
 def _text_item(value: Any, where: str) -> tuple[str, str]:
@@ -243,10 +249,10 @@ def tokenize_generative_record(record: dict, tokenizer, max_len: int, fmt: GritF
     if not isinstance(record, dict) or not isinstance(record.get("text"), (list, tuple)):
         raise ValueError(f"generative record {index} must be a dict with a 'text' list; got {record!r:.200}")
     try:
-        text, spans = fmt.generation(list(record["text"]))
+        pieces, spans = fmt.generation_pieces(list(record["text"]))
     except ValueError as e:
         raise ValueError(f"generative record {index}: {e}") from None
-    enc = tokenizer.encode(text, add_special_tokens=False)
+    enc = encode_pieces(tokenizer, pieces)   # the turns are content: their special-token text stays text
     ids = np.asarray(enc.ids[:max_len], np.int32)
     starts = np.asarray([s for s, _ in enc.offsets[:max_len]])
     loss = np.zeros(len(ids), np.int32)

@@ -6,7 +6,8 @@
 * Lost in the Middle KV retrieval (``kv-retrieval-*_keys.jsonl.gz``) -> list of :class:`KVExample`.
 
 Missing files raise FileNotFoundError and malformed ones ValueError, each naming the file, the
-record and the field. :func:`shared_data_dir` returns None when the shared folder is absent, so
+record and the field. Degenerate but well-formed inputs are valid: an empty or blank JSONL file and a
+PhantomWiki folder with empty lists load as empty datasets (callers that need examples say so). :func:`shared_data_dir` returns None when the shared folder is absent, so
 callers can skip with a reason.
 """
 from __future__ import annotations

@@ -350,6 +350,7 @@ class RagTrainingSet:
 
         from rag_jax.data.block_rag import BlockExample, encode
         from rag_jax.data.grit import GritDataConfig, embedding_dataset
+        from rag_jax.text import Markup
 
         tc, k = train, num_passages
         texts = [p["text"] for p in data.train_passages]
@@ -357,16 +358,16 @@ class RagTrainingSet:
         lengths = np.asarray([len(t) for t in tokens])
         negatives = hard_negatives(data.train_passages)
         q_tokens = [tuple(encode(tokenizer, question_block(q["question"]))) for q in data.train_questions]
-        a_tokens = [tuple(encode(tokenizer, " " + answer_text(q["answer"]) + EOS)) for q in data.train_questions]
+        a_tokens = [tuple(encode(tokenizer, " " + answer_text(q["answer"]), Markup(EOS))) for q in data.train_questions]
         newline = tuple(encode(tokenizer, "\n"))
         q_len, a_len = max(map(len, q_tokens)), max(map(len, a_tokens))
         self.answer_tokens = a_len
         p90 = int(np.percentile(lengths, 90))
         turn = int(np.percentile([len(x) + len(y) for x, y in zip(q_tokens, a_tokens)], 90)) + len(newline)
         self.seq_len = tc.seq_len or -(-(k * p90 + q_len + a_len + (tc.max_turns - 1) * turn) // 32) * 32
-        prefix = len(encode(tokenizer, fmt.embed_prefix("")))
+        prefix = len(encode(tokenizer, Markup(fmt.embed_prefix(""))))
         self.passage_max_len = tc.passage_max_len or -(-(p90 + prefix) // 16) * 16
-        longest = max(len(encode(tokenizer, fmt.embed_prefix(tc.grit_instruction) + q["question"]))
+        longest = max(len(encode(tokenizer, Markup(fmt.embed_prefix(tc.grit_instruction)), q["question"]))
                       for q in data.train_questions)
         self.query_max_len = tc.query_max_len or -(-longest // 8) * 8
         budget = self.seq_len - q_len - a_len

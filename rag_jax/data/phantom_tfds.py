@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import random
 from typing import Any
 
@@ -121,6 +122,8 @@ def prepare(data_dir: str | os.PathLike, config: PhantomWikiConfig | str = "ques
       ValueError from the config or the generator; FileNotFoundError/ValueError from ``source_dir``.
     """
     builder = PhantomWiki(config=config, data_dir=os.fspath(data_dir), file_format="array_record")
+    # tfds draws its own tqdm bars: only on a terminal, as rag_jax.progress (no carriage returns in a log file)
+    tfds.display_progress_bar(sys.stderr.isatty())
     builder.download_and_prepare()
     return builder
 

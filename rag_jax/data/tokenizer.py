@@ -60,7 +60,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise FileNotFoundError(f"tokenizer file {path} not found")
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as e:  # the tokenizers library raises a bare Exception with serde's message
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    # the tokenizers library raises a bare Exception with serde's message, and a Rust panic surfaces as pyo3's
+    # PanicException, a BaseException (a fuzzed tokenizer.json found one): both are a malformed file
+    except BaseException as e:  # noqa: B036
         reason = (str(e).strip().splitlines() or ["unreadable"])[0][:200]
         raise ValueError(f"tokenizer file {path} is not a valid tokenizer.json ({reason})") from None
 

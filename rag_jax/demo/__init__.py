@@ -238,7 +238,7 @@ def _answers(cfg: DemoConfig, data, model, tokenizer, td, ranked, progress: bool
     """Stage 5: the ``qa`` section of the report, and the ``BlockAttention`` (warm passage caches)."""
     import time
 
-    from tqdm.auto import tqdm
+    from rag_jax.progress import progress_bar
 
     from rag_jax.evaluation.rag import generate_answers, mean_scores, per_question, prompt_passages, score_answer
     from rag_jax.inference.block_attention import BlockAttention
@@ -256,7 +256,7 @@ def _answers(cfg: DemoConfig, data, model, tokenizer, td, ranked, progress: bool
     conditions, predictions, rows = {}, {}, {}
     plan = [("no_retrieval", "no_retrieval", "full"), ("retrieval_full", "retrieval", "full"),
             ("retrieval_block", "retrieval", "block"), ("oracle_block", "oracle", "block")]
-    for name, which, mode in tqdm(plan, desc="answering", unit="condition", disable=not progress):
+    for name, which, mode in progress_bar(plan, enabled=progress, desc="answering", unit="condition"):
         t0 = time.perf_counter()
         preds = generate_answers(ba, tokenizer, prompts[which], mode=mode, max_new_tokens=max_new,
                                  batch_size=cfg.eval.batch_size)

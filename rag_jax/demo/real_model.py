@@ -10,7 +10,9 @@ Prompt blocks (Block-Attention, Ma et al. ICLR 2025 §2.1 RAG layout: system blo
 global last block): the chat template is rendered around one user message; the text before the message
 (system turn + user tag) plus the instruction is block 0, every passage is a block, and the question
 with the rest of the template (end of turn + assistant tag) is the global last block. Every block is
-tokenized on its own (``rag_jax.data.block_rag.encode``), so full and block mode see the same ids.
+tokenized on its own, so full and block mode see the same ids, by the one prompt rule of ``rag_jax.text``:
+the template's text is markup (its special tokens parsed), passages and the question are content (a
+passage holding ``<|im_start|>`` stays text).
 Without fine-tuning, block mode is expected to lose accuracy (the paper's Table 1 "w/o block fine-tuning").
 
 Passages go best last, next to the question (``eval.passage_order=reverse``, this track's default): on
@@ -42,7 +44,6 @@ from rag_jax.demo.config import DemoConfig
 INSTRUCTION = "Answer the question using the documents below. Reply with the answer only.\n\n"
 PASSAGE = "Document: {text}\n\n"
 QUESTION = "Question: {question}"
-_SLOT = "\x00MESSAGE\x00"
 RETRIEVERS = ("minilm", "bm25")  # no trained GRIT embedder on this track
 
 
@@ -57,22 +58,24 @@ class ChatBlocks:
     """
 
     def __init__(self, loaded):
-        from rag_jax.inference.chat import render_chat
+        from rag_jax.text import chat_pieces
         if loaded.tokenizer is None or loaded.chat_template is None:
             raise ValueError(f"model {loaded.source} needs a tokenizer and a chat template for the demo's "
                              "real-model track")
-        text = render_chat(loaded.chat_template, [{"role": "user", "content": _SLOT}], **loaded.special_tokens)
-        if text.count(_SLOT) != 1:
-            raise ValueError(f"chat template of {loaded.source} does not render the user message once")
-        self.head, self.tail = text.split(_SLOT)
+        try:
+            self.head, _, self.tail = chat_pieces(loaded.chat_template, [{"role": "user", "content": "x"}],
+                                                  **loaded.special_tokens)
+        except ValueError as e:
+            raise ValueError(f"chat template of {loaded.source}: {e}") from None
         self.tokenizer = loaded.tokenizer
 
     def blocks(self, question: str, passages: Sequence[str]) -> list[list[int]]:
-        """``[head + instruction, passage_1, ..., passage_k, question + template tail]`` as token ids."""
-        from rag_jax.data.block_rag import encode
-        texts = [self.head + INSTRUCTION, *[PASSAGE.format(text=p.strip()) for p in passages],
-                 QUESTION.format(question=question) + self.tail]
-        return [encode(self.tokenizer, t) for t in texts]
+        """``[head + instruction, passage_1, ..., passage_k, question + template tail]`` as token ids; the
+        template's head and tail are markup, the instruction, passages and question content."""
+        from rag_jax.text import encode_content, encode_pieces
+        return [encode_pieces(self.tokenizer, [self.head, INSTRUCTION]).ids,
+                *[encode_content(self.tokenizer, PASSAGE.format(text=p.strip())) for p in passages],
+                encode_pieces(self.tokenizer, [QUESTION.format(question=question), self.tail]).ids]
 
 
 def answer_recall(prediction: str, golds: Sequence[str]) -> float:
@@ -164,7 +167,7 @@ def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike |
 
 def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: bool):
     """The ``qa`` report section (as the default demo's ``_answers``) and the ``BlockAttention``."""
-    from tqdm.auto import tqdm
+    from rag_jax.progress import progress_bar
 
     from rag_jax.evaluation.rag import generate_answers, mean_scores, per_question, prompt_passages, score_answer
     from rag_jax.inference.block_attention import BlockAttention
@@ -182,7 +185,7 @@ def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: 
             ("retrieval_block", "retrieval", "block"), ("oracle_full", "oracle", "full"),
             ("oracle_block", "oracle", "block")]
     conditions, predictions, rows = {}, {}, {}
-    for name, which, mode in tqdm(plan, desc="answering", unit="condition", disable=not progress):
+    for name, which, mode in progress_bar(plan, enabled=progress, desc="answering", unit="condition"):
         t0 = time.perf_counter()
         preds = generate_answers(ba, loaded.tokenizer, prompts[which], mode=mode,
                                  max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,

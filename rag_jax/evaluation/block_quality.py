@@ -48,6 +48,7 @@ from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.kv_store import KVStore
 from rag_jax.metrics import phantom_set_metrics
 from rag_jax.model import ModelConfig
+from rag_jax.text import Markup
 from rag_jax.train import optim
 from rag_jax.train.objectives.block import BlockLoss
 
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
         tokenizer = train_bpe(texts, d.vocab_size, special_tokens=SPECIAL_TOKENS)
         recipe = dataclasses.replace(recipe, model=recipe.model.replace(vocab_size=max(recipe.model.vocab_size,
                                                                                        tokenizer.get_vocab_size())))
-    marker_ids = tuple(block_rag.encode(tokenizer, block_rag.BLOCK_MARKER)) if recipe.objective.marker else ()
+    marker_ids = tuple(block_rag.encode(tokenizer, Markup(block_rag.BLOCK_MARKER))) if recipe.objective.marker else ()
 
     rng = np.random.default_rng(recipe.train.seed)
     train_examples = [ex for arts, qs in train_sets for ex in make_examples(tokenizer, arts, qs, d, rng, True,

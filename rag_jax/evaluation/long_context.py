@@ -87,11 +87,17 @@ def filler_sentences(kind: str, seed: int = 0) -> list[str]:
     raise ValueError(f"filler={kind!r}; valid: {FILLERS}")
 
 
-def _render(loaded, text: str) -> str:
+def _encode(loaded, content: str, reply_prefix: str):
+    """The prompt of one example as ``rag_jax.text.Encoded``: ``content`` (the haystack and question; untrusted
+    text, so special-token text in a document stays text) as the user message of the model's chat template,
+    or, without one, ``content + "\n"`` after the tokenizer's own prefix (BOS where its post-processor adds
+    it, as ``rag-jax generate`` and transformers); then the assistant's ``reply_prefix``."""
+    from rag_jax.text import chat_pieces, encode_prompt
+
     if loaded.chat_template is None:
-        return text + "\n"
-    from rag_jax.inference.chat import render_chat
-    return render_chat(loaded.chat_template, [{"role": "user", "content": text}], **loaded.special_tokens)
+        return encode_prompt(loaded.tokenizer, [content + "\n", reply_prefix], templated=False)
+    pieces = chat_pieces(loaded.chat_template, [{"role": "user", "content": content}], **loaded.special_tokens)
+    return encode_prompt(loaded.tokenizer, [*pieces, reply_prefix], templated=True)
 
 
 def passkey_prompt(loaded, sentences: list[str], length: int, depth: float, key: str
@@ -102,18 +108,17 @@ def passkey_prompt(loaded, sentences: list[str], length: int, depth: float, key:
     Returns (int32 ``[seq]`` token ids, int64 indices of the tokens of the needle's two copies of ``key``).
     Raises ValueError if ``length`` leaves no room for filler.
     """
-    tok = loaded.tokenizer
     needle = NEEDLE.format(key=key)
 
     def build(count: int):
         picked = [sentences[i % len(sentences)] for i in range(count)]
         cut = int(round(depth * count))
-        text = _render(loaded, INSTRUCTION + "".join(picked[:cut]) + needle + "".join(picked[cut:]) + QUESTION)
-        return text + ANSWER_PREFIX
+        return _encode(loaded, INSTRUCTION + "".join(picked[:cut]) + needle + "".join(picked[cut:]) + QUESTION,
+                       ANSWER_PREFIX)
 
-    count = _fit(tok, build, length, tokens_per_piece=4)
-    text = build(count)
-    enc = tok.encode(text, add_special_tokens=False)
+    count = _fit(build, length, tokens_per_piece=4)
+    enc = build(count)
+    text = enc.text
     start = text.index(needle, text.index(INSTRUCTION))
     key_chars = [start + m.start() for m in re.finditer(key, needle)]
     return np.asarray(enc.ids, np.int32), _char_tokens(enc, [(c, c + len(key)) for c in key_chars])
@@ -175,8 +180,8 @@ def kv_prompts(loaded, samples: int, seed: int) -> list[Prompt]:
     out = []
     for ex in (examples[i] for i in picks):
         prefix = f'"{ex.key}": "'
-        text = _render(loaded, kv_prompt(ex.kv_records, ex.key)) + prefix
-        enc = loaded.tokenizer.encode(text, add_special_tokens=False)
+        enc = _encode(loaded, kv_prompt(ex.kv_records, ex.key), prefix)
+        text = enc.text
         gold = text.index(f'"{ex.key}": "{ex.value}"')
         keys = [k for k, _ in ex.kv_records]
         out.append(Prompt(np.asarray(enc.ids, np.int32), ex.value, keys.index(ex.key) / len(keys), ex.key,
@@ -200,7 +205,6 @@ def haystack_prompts(loaded, length: int, samples: int, seed: int) -> list[Promp
     universe = generate_universe(num_people=max(100, length // 80), seed=seed, num_questions=0)
     rng = np.random.default_rng([seed, length])
     order = rng.permutation(len(universe.people))
-    tok = loaded.tokenizer
     out = []
     for i, person_index in enumerate(rng.choice(len(universe.people), size=samples, replace=False)):
         person, depth = universe.people[person_index], (i + 0.5) / samples
@@ -212,14 +216,14 @@ def haystack_prompts(loaded, length: int, samples: int, seed: int) -> list[Promp
         question = f"\nWhat is the {name} of {person.name}?"
         prefix = f"The {name} of {person.name} is"
 
-        def build(count: int) -> str:
+        def build(count: int):
             picked = [others[j % len(others)] for j in range(count)]
             cut = int(round(depth * count))
-            return _render(loaded, HAYSTACK_INSTRUCTION + "\n".join(picked[:cut] + [needle] + picked[cut:])
-                           + question) + prefix
+            return _encode(loaded, HAYSTACK_INSTRUCTION + "\n".join(picked[:cut] + [needle] + picked[cut:])
+                           + question, prefix)
 
-        text = build(_fit(tok, build, length, tokens_per_piece=130))
-        enc = tok.encode(text, add_special_tokens=False)
+        enc = build(_fit(build, length, tokens_per_piece=130))
+        text = enc.text
         fact = f"{prefix} {getattr(person, attribute)}."
         at = text.index(needle, text.index(HAYSTACK_INSTRUCTION)) + needle.index(fact)
         out.append(Prompt(np.asarray(enc.ids, np.int32), getattr(person, attribute), depth, question.strip(),
@@ -227,17 +231,18 @@ def haystack_prompts(loaded, length: int, samples: int, seed: int) -> list[Promp
     return out
 
 
-def _fit(tok, build, length: int, tokens_per_piece: int) -> int:
-    """The count of filler pieces for which ``build(count)`` tokenizes to about ``length`` tokens: a first guess
-    from ``tokens_per_piece``, then three rescales (pieces alone tokenize differently from the running text).
+def _fit(build, length: int, tokens_per_piece: int) -> int:
+    """The count of filler pieces for which ``build(count)`` (an ``Encoded`` prompt) is about ``length`` tokens:
+    a first guess from ``tokens_per_piece``, then three rescales (pieces alone tokenize differently from the
+    running text).
 
     Raises ValueError if ``length`` leaves no room for filler."""
-    overhead = len(tok.encode(build(0), add_special_tokens=False).ids)
+    overhead = len(build(0).ids)
     if length <= overhead:
         raise ValueError(f"length={length} tokens leaves no room for filler (the prompt alone is {overhead})")
     count = max(1, (length - overhead) // tokens_per_piece)
     for _ in range(3):
-        filler_tokens = len(tok.encode(build(count), add_special_tokens=False).ids) - overhead
+        filler_tokens = len(build(count).ids) - overhead
         count = max(1, int(count * (length - overhead) / max(filler_tokens, 1)))
     return count
 
@@ -269,11 +274,13 @@ def _full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
 
 def diagnose(loaded, cfg: EMLLMConfig, prompt: Prompt) -> dict:
     """Per-layer view of the step that must emit the answer's first token (see the module doc)."""
+    from rag_jax.text import encode_pieces
+
     tok = loaded.tokenizer
     reply = f"{prompt.prefix} {prompt.answer}" if prompt.prefix and not prompt.prefix.endswith('"') else \
         prompt.prefix + prompt.answer
-    enc = tok.encode(reply, add_special_tokens=False)
-    prefix_len = len(tok.encode(prompt.prefix, add_special_tokens=False).ids) if prompt.prefix else 0
+    enc = encode_pieces(tok, [reply])
+    prefix_len = len(encode_pieces(tok, [prompt.prefix]).ids)
     first = next(i for i, (_, b) in enumerate(enc.offsets) if b > len(reply) - len(prompt.answer))
     forced = np.concatenate([prompt.ids, np.asarray(enc.ids[prefix_len:first], np.int32)])
     em = EMLLM(loaded.model, cfg, diagnose=True)

@@ -175,13 +175,13 @@ def ttft_curve(block_attention, tokenizer, passages: Sequence[str], question: st
     first token's logits). Sizes whose prompt exceeds ``max_seq_len`` (or the passages given) are skipped.
     ``last``: the question block's ids (default: the demo's ``question_block(question)``)."""
     import jax
-    from tqdm.auto import tqdm
+    from rag_jax.progress import progress_bar
 
     from rag_jax.data.block_rag import encode
 
     last = list(last) if last is not None else encode(tokenizer, question_block(question))
     rows = []
-    for n in tqdm(sizes, desc="TTFT full vs cached", unit="size", disable=not progress):
+    for n in progress_bar(sizes, enabled=progress, desc="TTFT full vs cached", unit="size"):
         if n > len(passages):
             continue
         blocks = [encode(tokenizer, p) for p in passages[:n]] + [last]

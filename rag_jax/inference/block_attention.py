@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from rag_jax.inference.generate import generate as core_generate
-from rag_jax.inference.kv_store import KVStore, model_fingerprint
+from rag_jax.inference.kv_store import KVStore, WeightsFingerprint
 from rag_jax.model import KVSegment, Transformer
 
 MODES = ("block", "full")
@@ -100,7 +100,9 @@ class BlockAttention:
       max_blocks: most blocks per prompt, the last block included (default: no limit).
       marker_ids: ids prepended to the first block in block mode (see module docstring).
       fingerprint: model identity for the store keys; default ``model_fingerprint`` of the weights
-        and config (reads every parameter once; pass e.g. a checkpoint id to skip that).
+        and config (reads every parameter once; pass e.g. a checkpoint id to skip that). Either way,
+        weights changed in place later (``nnx.update``) are noticed and re-hashed
+        (``WeightsFingerprint``): cached blocks of the old weights then miss.
       pad_multiple: blocks, the last block and assembled caches are padded (with never-attended
         slots) to a multiple of this many tokens, so varying lengths reuse compiled shapes.
     """
@@ -118,7 +120,12 @@ class BlockAttention:
         self.max_blocks = max_blocks
         self.marker_ids = tuple(int(i) for i in marker_ids)
         self.dtype = self.config.compute_dtype
-        self.fingerprint = fingerprint or model_fingerprint(self.state, self.config.fingerprint())
+        self._fingerprint = WeightsFingerprint(self.state, self.config.fingerprint(), given=fingerprint)
+
+    @property
+    def fingerprint(self) -> str:
+        """The store-key fingerprint of the model's current weights (see ``WeightsFingerprint``)."""
+        return self._fingerprint()
 
     def check_blocks(self, blocks: Sequence[Sequence[int]], mode: str = "block", extra_tokens: int = 0
                      ) -> list[np.ndarray]:

@@ -1,8 +1,8 @@
 """Chat and text generation with pretrained models, streamed token by token.
 
-``render_chat`` renders the model's own Jinja chat template (HF's rendering conventions: sandboxed,
-``trim_blocks``/``lstrip_blocks``, ``raise_exception``); ``stream_tokens`` is a prefill + per-token decode
-loop over a fixed KV cache (the steps of ``generate.generate``); ``stream_text`` turns token ids into text
+``chat_prompt`` renders the model's own Jinja chat template and encodes it by the one prompt rule of
+``rag_jax.text`` (the template's markers are special tokens, message contents never are);
+``stream_tokens`` is a prefill + per-token decode loop over a fixed KV cache (the steps of ``generate.generate``); ``stream_text`` turns token ids into text
 with ``tokenizers``' ``DecodeStream``, which holds back bytes until they form whole UTF-8 characters.
 CLI: ``rag-jax chat``, ``rag-jax generate``, ``rag-jax convert`` (``add_subcommands``).
 """
@@ -20,33 +20,11 @@ from flax import nnx
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from rag_jax.inference.generate import decode_step, eos_tuple, prefill, sample_logits
+from rag_jax.inference.generate import check_sampling, decode_step, eos_tuple, prefill, sample_logits
 from rag_jax.model.transformer import Transformer
+from rag_jax.text import chat_encode, encode_prompt, render_chat  # noqa: F401 (render_chat: re-export)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def render_chat(template: str, messages: Sequence[dict], *, add_generation_prompt: bool = True, **special) -> str:
-    """Render ``messages`` (``[{"role": ..., "content": ...}]``) with a Jinja chat ``template``.
-
-    ``special``: variables the template may use (``bos_token``, ``eos_token``...). Raises ValueError
-    when the template raises (``raise_exception``) or does not parse.
-    """
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise ValueError(f"chat template: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                                **special)
-    except jinja2.TemplateError as e:
-        raise ValueError(f"chat template does not render: {e}") from e
-
-
 PROMPT_BUCKET = 128  # prompts are left-padded to a multiple of this, so one compile serves many prompts
 
 
@@ -68,11 +46,12 @@ def stream_tokens(model: Transformer, prompt: Sequence[int], *, max_new_tokens: 
     """Yield up to ``max_new_tokens`` ids after ``prompt`` (one row), stopping after any id in ``eos_ids``.
 
     Same tokens as ``generate.generate`` for one prompt (greedy when ``temperature == 0``; else sampling
-    with ``temperature``/``top_k``/``top_p``, see ``sample_logits``). Raises ValueError for an empty prompt
-    or prompt + ``max_new_tokens`` over ``max_seq_len``.
+    with ``temperature``/``top_k``/``top_p``, see ``sample_logits``). Raises ValueError for an empty prompt,
+    bad sampling parameters (``check_sampling``) or prompt + ``max_new_tokens`` over ``max_seq_len``.
     """
     cfg = model.config
     eos = eos_tuple(eos_ids)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, vocab_size=cfg.vocab_size)
     if not len(prompt):
         raise ValueError("prompt is empty; pass at least one token")
     if len(prompt) + max_new_tokens > cfg.max_seq_len:
@@ -106,11 +85,11 @@ def stream_text(tokenizer: Tokenizer, ids: Iterable[int], *, skip_special_tokens
 
 
 def chat_prompt(loaded, messages: Sequence[dict]) -> list[int]:
-    """Token ids of ``messages`` under the model's chat template. Raises ValueError if it has none."""
+    """Token ids of ``messages`` under the model's chat template: the template's markers are special tokens,
+    each message's content is plain text (``rag_jax.text.chat_encode``). Raises ValueError if it has none."""
     if loaded.chat_template is None:
         raise ValueError(f"model {loaded.source} has no chat template; use `rag-jax generate` for plain text")
-    text = render_chat(loaded.chat_template, messages, **loaded.special_tokens)
-    return loaded.tokenizer.encode(text, add_special_tokens=False).ids
+    return chat_encode(loaded.tokenizer, loaded.chat_template, messages, **loaded.special_tokens).ids
 
 
 def _print_stream(loaded, prompt_ids, args, out) -> str:
@@ -155,7 +134,7 @@ def _chat(args) -> int:
 
 def _generate(args) -> int:
     loaded = _load(args)
-    ids = loaded.tokenizer.encode(args.prompt).ids
+    ids = encode_prompt(loaded.tokenizer, [args.prompt], templated=False).ids  # BOS as the tokenizer says
     sys.stdout.write(args.prompt)
     _print_stream(loaded, ids, args, sys.stdout)
     return 0
@@ -170,15 +149,30 @@ def _convert(args) -> int:
     return 0
 
 
+def _sampling_arg(name: str, convert):
+    """An argparse type for one sampling parameter, checked by ``check_sampling`` while the command line is
+    parsed (before a model loads), so a bad value is a one-line error naming the flag."""
+    def parse(text: str):
+        value = convert(text)                     # ValueError: argparse's "invalid int value: 'x'"
+        try:
+            check_sampling(**{"max_new_tokens": 1, name: value})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+    parse.__name__ = convert.__name__
+    return parse
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Add ``chat``, ``generate`` and ``convert`` to the ``rag-jax`` command line."""
     def model_args(p):
         p.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"embedded model name ({DEFAULT_MODEL}), a .gguf file or an HF folder")
-        p.add_argument("--max-new-tokens", type=int, default=256)
-        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-        p.add_argument("--top-k", type=int, default=None)
-        p.add_argument("--top-p", type=float, default=None)
+        p.add_argument("--max-new-tokens", type=_sampling_arg("max_new_tokens", int), default=256, help=">= 1")
+        p.add_argument("--temperature", type=_sampling_arg("temperature", float), default=0.0,
+                       help="finite, >= 0; 0 = greedy")
+        p.add_argument("--top-k", type=_sampling_arg("top_k", int), default=None, help=">= 1")
+        p.add_argument("--top-p", type=_sampling_arg("top_p", float), default=None, help="in (0, 1]")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
 

@@ -137,6 +137,26 @@ def _left_pad(prompts, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens, segment_ids
 
 
+def check_sampling(max_new_tokens, temperature=0.0, top_k=None, top_p=None, *, vocab_size: int | None = None) -> None:
+    """Validate generation parameters before any compute (the CLI calls it before loading a model).
+
+    Raises:
+      ValueError naming the parameter: ``max_new_tokens`` not an int >= 1, ``temperature`` not a finite
+      number >= 0, ``top_k`` not an int in [1, vocab_size], ``top_p`` not in (0, 1].
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
+    upper = vocab_size if vocab_size is not None else math.inf
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
+                              or not 1 <= top_k <= upper):
+        bound = "vocab_size" if vocab_size is None else f"vocab_size={vocab_size}"
+        raise ValueError(f"top_k={top_k!r} must be an int in [1, {bound}]")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p={top_p!r} must be a number in (0, 1]")
+
+
 def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.ndarray, *, max_new_tokens: int,
              eos_id: int | Sequence[int] | None = None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, kv_cache: KVSegment | None = None) -> np.ndarray:
@@ -159,14 +179,7 @@ def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.n
     """
     graphdef, state = nnx.split(model) if isinstance(model, nnx.Module) else model
     cfg = nnx.merge(graphdef, state).config if isinstance(model, tuple) else model.config
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= cfg.vocab_size):
-        raise ValueError(f"top_k={top_k!r} must be an int in [1, vocab_size={cfg.vocab_size}]")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    check_sampling(max_new_tokens, temperature, top_k, top_p, vocab_size=cfg.vocab_size)
     tokens, segment_ids = _left_pad(prompts, pad_id=0)
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= cfg.vocab_size:

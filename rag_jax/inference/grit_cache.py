@@ -33,10 +33,11 @@ import numpy as np
 from flax import nnx
 
 from rag_jax.inference.generate import generate
-from rag_jax.inference.kv_store import KVStore, model_fingerprint
+from rag_jax.inference.kv_store import KVStore, WeightsFingerprint
 from rag_jax.model.embedding import GritFormat, encode, pad_length, tokenize_for_embedding
 from rag_jax.model.kv import KVSegment
 from rag_jax.model.transformer import Transformer
+from rag_jax.text import Markup, encode_pieces
 
 CACHE_MODES = ("doc", "query", "query_doc", "doc_query")
 RAG_MODES = ("rag_doc_first", "rag_query_first")
@@ -58,7 +59,8 @@ class GritCache:
       fmt: prompt strings (BOS/EOS text of the tokenizer).
       cache_attention: ``"bidirectional"`` (GRIT embedding pass) or ``"causal"``.
       reencode_positions: place a second cached segment after the first (True) or at 0 like the reference.
-      fingerprint: the model fingerprint for store keys (computed from the weights when None).
+      fingerprint: the model fingerprint for store keys (computed from the weights when None); weights
+        changed in place later are noticed and re-hashed (``WeightsFingerprint``), so old entries miss.
 
     Raises:
       ValueError: an unknown ``cache_attention``.
@@ -76,7 +78,7 @@ class GritCache:
         self.tokenizer, self.fmt = tokenizer, fmt
         self.cache_attention, self.reencode_positions = cache_attention, reencode_positions
         self.store = store if store is not None else KVStore(1 << 30)
-        self.fingerprint = fingerprint or model_fingerprint(self.state, self.config)
+        self._fingerprint = WeightsFingerprint(self.state, self.config, given=fingerprint)
         graphdef = self.graphdef
 
         @jax.jit
@@ -86,8 +88,11 @@ class GritCache:
 
         self._cache_pass = _cache_pass
 
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    @property
+    def fingerprint(self) -> str:
+        """The store-key fingerprint of the model's current weights (see ``WeightsFingerprint``)."""
+        return self._fingerprint()
 
     def cached_text_ids(self, text: str, *, bos: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and pool mask of a cached text: ``<s><|embed|>\\n{text}`` or (no BOS) ``\\n<|embed|>\\n{text}``.
@@ -127,8 +132,12 @@ class GritCache:
     def _namespace(self, bos: bool) -> str:
         return f"grit|{self.cache_attention}|bos={bos}"
 
-    def _gen_text(self, body: str) -> str:
-        return "\n" + self.fmt.user + body + self.fmt.assistant + ANSWER_START
+    def _gen_ids(self, content: str, instruction: str) -> list[int]:
+        """``\n<|user|>\n{content}\n\n{instruction}\n<|assistant|>\nThe answer is`` (content: a query or doc,
+        its special-token text kept as text; ``rag_jax.text``)."""
+        pieces = [Markup("\n" + self.fmt.user), content, Markup("\n\n" if content else ""),
+                  Markup(instruction + self.fmt.assistant + ANSWER_START)]
+        return encode_pieces(self.tokenizer, pieces).ids
 
     def build(self, mode: str, query: str, doc: str) -> tuple[KVSegment | None, list[int]]:
         """The prefix cache (None for plain RAG) and the prompt ids generated from, for ``mode``.
@@ -141,8 +150,8 @@ class GritCache:
         for name, value in (("query", query), ("doc", doc)):
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"{name} must be a non-empty string; got {value!r}")
-        doc_prompt = self._ids(self._gen_text(f"{query}\n\n{ANSWER_PRIOR_QUERY}"))
-        query_prompt = self._ids(self._gen_text(f"{doc}\n\n{ANSWER_WITH_PRIOR_CONTEXT}"))
+        doc_prompt = self._gen_ids(query, ANSWER_PRIOR_QUERY)
+        query_prompt = self._gen_ids(doc, ANSWER_WITH_PRIOR_CONTEXT)
         if mode == "rag_doc_first":
             return None, list(self.cached_text_ids(doc)[0]) + doc_prompt
         if mode == "rag_query_first":
@@ -153,10 +162,10 @@ class GritCache:
             return self.kv(query), query_prompt
         if mode == "query_doc":
             first, second = self.kv(query), self.kv(doc, bos=False)
-            prompt = self._ids(self._gen_text(ANSWER_WITH_PRIOR_CONTEXT))
+            prompt = self._gen_ids("", ANSWER_WITH_PRIOR_CONTEXT)
         else:
             first, second = self.kv(doc), self.kv(query)
-            prompt = self._ids(self._gen_text(ANSWER_PRIOR_QUERY))
+            prompt = self._gen_ids("", ANSWER_PRIOR_QUERY)
         if self.reencode_positions:
             second = second.with_positions(second.positions + first.length)
         return KVSegment.concat([first, second]), prompt

@@ -6,7 +6,9 @@ its pre-RoPE keys and values are kept; GRIT's caching modes reuse the same store
 
 An entry is keyed by (namespace, model fingerprint, KV dtype, sha256 of the token ids) and also keeps
 the token ids themselves, which a lookup compares, so a hit is never stale: other tokens, another
-model (weights or config) or another dtype always miss. The device tier is bounded by
+model (weights or config) or another dtype always miss. The users of the store (Block-Attention,
+GRIT caching) take the fingerprint from a ``WeightsFingerprint``, which notices weights changed in
+place (``nnx.update``, an optimizer step) and re-hashes them, so after a change lookups miss. The device tier is bounded by
 ``max_bytes``; with ``host_max_bytes > 0`` entries evicted from it move to a host-memory tier
 (NumPy arrays) bounded separately, and a hit there moves the entry back to the device.
 """
@@ -45,6 +47,63 @@ def model_fingerprint(model_or_state, config=None) -> str:
         digest.update(f"{array.dtype}{array.shape}".encode())
         digest.update(np.ascontiguousarray(array).tobytes())
     return digest.hexdigest()
+
+
+class WeightsWatch:
+    """Notices weights changed in place: JAX arrays are immutable, so every in-place update of an NNX
+    model (``nnx.update``, an optimizer step, ``variable[...] = x``) puts new array objects in its
+    variables, which the live ``nnx.State`` from ``nnx.split`` (or the module) shows. ``changed``
+    compares the current leaves with the ones seen at the last ``refresh`` by identity (no bytes are
+    read); those arrays are held, so their identities cannot be reused by new arrays.
+
+    Args:
+      state: the live state (``nnx.split(model)[1]``) or an NNX module.
+    """
+
+    def __init__(self, state):
+        self._state = state
+        self.leaves = self._current()
+
+    def _current(self) -> list:
+        from flax import nnx
+        state = nnx.state(self._state, nnx.Param) if isinstance(self._state, nnx.Module) else self._state
+        return jax.tree_util.tree_leaves(state)
+
+    def changed(self) -> bool:
+        """True if a weight array was replaced since the last ``refresh``."""
+        leaves = self._current()
+        return len(leaves) != len(self.leaves) or any(a is not b for a, b in zip(leaves, self.leaves))
+
+    def refresh(self) -> list:
+        """Take the current arrays as seen; returns them."""
+        self.leaves = self._current()
+        return self.leaves
+
+
+class WeightsFingerprint:
+    """The fingerprint of a model's *current* weights, re-hashed (``model_fingerprint``) only when
+    ``WeightsWatch`` sees a weight array replaced.
+
+    Args:
+      state: the live state (``nnx.split(model)[1]``) or an NNX module.
+      config: hashed with the weights (see ``model_fingerprint``).
+      given: a caller's name for the weights at construction (e.g. a checkpoint id), used instead of
+        hashing them until the first change; after a change the weights are hashed.
+    """
+
+    def __init__(self, state, config=None, given: str | None = None):
+        self._state, self._config = state, config
+        self._watch = WeightsWatch(state)
+        self._value = given or model_fingerprint(state, config)
+        self.changes = 0
+
+    def __call__(self) -> str:
+        """The fingerprint of the weights as they are now (hex string)."""
+        if self._watch.changed():
+            self._watch.refresh()
+            self._value = model_fingerprint(self._state, self._config)
+            self.changes += 1
+        return self._value
 
 
 def cache_key(token_ids: Sequence[int] | np.ndarray, fingerprint: str, dtype, namespace: str = "") -> str:

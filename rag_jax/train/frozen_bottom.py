@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from rag_jax.model.embedding import pad_length
 from rag_jax.model.transformer import Transformer
+from rag_jax.progress import progress_bar
 
 
 def _assemble(model: Transformer, num_layers: int, params: dict) -> Transformer:
@@ -105,22 +105,36 @@ class FrozenBottom:
       bottom: the ``split_model`` bottom.
       batch_tokens: padded tokens per forward (rows per batch = this / padded length, at least 1).
       fingerprint: identifies the bottom (model and split) in saved files; ``load`` refuses another one.
+
+    The table holds features of the bottom's weights when they were computed: if the bottom's weights are
+    changed in place (``nnx.update``), the table is emptied (``WeightsWatch``) and rows must be precomputed
+    again; ``features`` then raises KeyError rather than serving stale rows.
     """
 
     def __init__(self, bottom: Transformer, *, batch_tokens: int = 4096, fingerprint: str = ""):
         if batch_tokens < 1:
             raise ValueError(f"batch_tokens={batch_tokens} must be >= 1")
+        from rag_jax.inference.kv_store import WeightsWatch
+
         self._graphdef, self._state = nnx.split(bottom)
+        self._weights = WeightsWatch(self._state)
         self.hidden_size = bottom.config.hidden_size
         self.batch_tokens, self.fingerprint = batch_tokens, fingerprint
         self._table: dict[tuple[str, bytes], np.ndarray] = {}
 
     def __len__(self) -> int:
+        self._drop_if_stale()
         return len(self._table)
+
+    def _drop_if_stale(self) -> None:
+        if self._weights.changed():
+            self._table.clear()
+            self._weights.refresh()
 
     def precompute(self, mode: str, rows: Sequence[np.ndarray], *, desc: str = "frozen bottom",
                    progress: bool = True) -> None:
         """Run the bottom on the rows not yet in the table (in length order, padded to power-of-two lengths)."""
+        self._drop_if_stale()
         todo = {}
         for ids in rows:
             ids = np.asarray(ids, np.int32)
@@ -129,7 +143,7 @@ class FrozenBottom:
             if _key(mode, ids) not in self._table:
                 todo[_key(mode, ids)] = ids
         order = sorted(todo.values(), key=len)
-        with tqdm(total=len(order), desc=desc, unit="row", disable=not progress) as bar:
+        with progress_bar(enabled=progress, total=len(order), desc=desc, unit="row") as bar:
             start = 0
             while start < len(order):
                 width = pad_length(len(order[start]))
@@ -145,7 +159,9 @@ class FrozenBottom:
                 bar.update(len(chunk))
 
     def features(self, mode: str, ids: np.ndarray) -> np.ndarray:
-        """float32 ``[len(ids), hidden]``. Raises KeyError naming the row when it was not precomputed."""
+        """float32 ``[len(ids), hidden]``. Raises KeyError naming the row when it was not precomputed (or the
+        bottom's weights changed since)."""
+        self._drop_if_stale()
         try:
             return self._table[_key(mode, ids)]
         except KeyError:
@@ -164,6 +180,7 @@ class FrozenBottom:
 
     def save(self, path: str | Path) -> None:
         """Write the table to an ``.npz`` (atomically: a temporary file renamed)."""
+        self._drop_if_stale()
         keys = list(self._table)
         arrays = {"fingerprint": np.asarray(self.fingerprint), "modes": np.asarray([m for m, _ in keys]),
                   "lengths": np.asarray([len(self._table[k]) for k in keys], np.int64),

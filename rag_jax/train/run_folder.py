@@ -19,6 +19,51 @@ def is_run_folder(path: str | os.PathLike) -> bool:
     return (path / "config.yaml").is_file() and (path / "checkpoints").is_dir()
 
 
+def read_run_config(file: str | os.PathLike):
+    """Parse a run folder's ``config.yaml``: ``(raw dict, ModelConfig, OptimizerConfig, (steps, seed, precision))``.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: one line naming the file and the field: not YAML, not a mapping, a missing section, a
+        key or value the typed configs reject, or ``train.steps`` / ``seed`` / ``precision`` malformed.
+    """
+    import yaml
+
+    from rag_jax import config as config_lib
+    from rag_jax.model.config import ModelConfig
+    from rag_jax.train import optim
+    from rag_jax.train.step import PRECISIONS
+
+    file = Path(file)
+    try:
+        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise ValueError(f"{file} is not valid YAML ({reason})") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} must hold a mapping of sections; got {type(raw).__name__}")
+    missing = [k for k in ("model", "optimizer", "train") if not isinstance(raw.get(k), dict)]
+    if missing:
+        raise ValueError(f"{file} lacks the section(s) {missing} a run folder's config has")
+    try:
+        model_cfg = config_lib.from_dict(ModelConfig, raw["model"], prefix="model.")
+        opt_cfg = config_lib.from_dict(optim.OptimizerConfig, raw["optimizer"], prefix="optimizer.")
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{file}: {' '.join(str(e).split())}") from None
+    train = raw["train"]
+    checked = []
+    for key, default, ok in (("steps", 1, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                             ("seed", 0, lambda v: isinstance(v, int) and not isinstance(v, bool)),
+                             ("precision", "fp32", lambda v: v in PRECISIONS)):
+        value = train.get(key, default)
+        if not ok(value):
+            raise ValueError(f"{file}: train.{key}={value!r:.80} is not valid"
+                             + (f"; valid: {list(PRECISIONS)}" if key == "precision" else ""))
+        checked.append(value)
+    return raw, model_cfg, opt_cfg, tuple(checked)
+
+
 def load_run(path: str | os.PathLike) -> tuple[dict[str, Any], Any, Any, Any]:
     """Load the latest complete step of a run folder on one device.
 
@@ -32,12 +77,9 @@ def load_run(path: str | os.PathLike) -> tuple[dict[str, Any], Any, Any, Any]:
       ValueError: a ``config.yaml`` without valid ``model`` / ``optimizer`` / ``train`` sections.
     """
     import jax
-    import yaml
 
-    from rag_jax import config as config_lib
     from rag_jax import sharding
     from rag_jax.data.tokenizer import load_tokenizer
-    from rag_jax.model.config import ModelConfig
     from rag_jax.train import optim
     from rag_jax.train import step as step_lib
     from rag_jax.train.checkpoint import CheckpointConfig, Checkpointer, abstract_with_shardings
@@ -47,14 +89,7 @@ def load_run(path: str | os.PathLike) -> tuple[dict[str, Any], Any, Any, Any]:
         if not (path / name).exists():
             raise FileNotFoundError(f"{path / name} not found; pass a run folder (rag-jax train / rag-jax demo "
                                     f"output, with {', '.join(REQUIRED)})")
-    raw = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    missing = [k for k in ("model", "optimizer", "train") if not isinstance(raw.get(k), dict)]
-    if missing:
-        raise ValueError(f"{path / 'config.yaml'} lacks the section(s) {missing} a run folder's config has")
-    model_cfg = config_lib.from_dict(ModelConfig, raw["model"], prefix="model.")
-    opt_cfg = config_lib.from_dict(optim.OptimizerConfig, raw["optimizer"], prefix="optimizer.")
-    train = raw["train"]
-    steps, seed, precision = int(train.get("steps", 1)), int(train.get("seed", 0)), train.get("precision", "fp32")
+    raw, model_cfg, opt_cfg, (steps, seed, precision) = read_run_config(path / "config.yaml")
     tokenizer = load_tokenizer(path / "tokenizer.json")
     tx = optim.make_optimizer(opt_cfg, steps)
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])

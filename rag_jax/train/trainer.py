@@ -31,7 +31,6 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
-from tqdm import tqdm
 
 from rag_jax import config as config_lib
 from rag_jax import sharding
@@ -39,6 +38,7 @@ from rag_jax.data import pipeline
 from rag_jax.data.tokenizer import load_tokenizer
 from rag_jax.model import ModelConfig
 from rag_jax.model.transformer import REMAT_POLICIES
+from rag_jax.progress import progress_bar
 from rag_jax.train import checkpoint as ckpt_lib
 from rag_jax.train import metrics as metrics_lib
 from rag_jax.train import optim, step as step_lib
@@ -361,8 +361,8 @@ def run(cfg: RunConfig, task: Task | None = None, *, init_params=None, mesh=None
 
     if tc.eval_every and start == 0:
         evaluate(0)
-    bar = tqdm(total=tc.steps, initial=start, desc=task.name, unit="step", dynamic_ncols=True,
-               disable=not (is_main and cfg.logging.progress_bar))
+    bar = progress_bar(enabled=is_main and cfg.logging.progress_bar, total=tc.steps, initial=start, desc=task.name,
+                       unit="step", dynamic_ncols=True)
     t_start = last_t = time.perf_counter()
     last_step = start
     for step in range(start + 1, tc.steps + 1):
