@@ -130,6 +130,10 @@ def _top_logp(top_def, top_state, tokens, positions, segment_ids, is_global, inp
 class DistillFeatures:
     """Cached per-row inputs of ``BlockDistillLoss`` and of the log-likelihood evaluation (module docstring).
 
+    A snapshot of ``model``'s weights at construction: the bottom and top are new modules over the same arrays
+    and the cache keys hash those arrays, so a later in-place update of ``model`` (``nnx.update``) changes
+    neither what this object computes nor what its files are valid for; build a new one for the new weights.
+
     Args:
       model: the base ``Transformer`` (teacher, and the student's starting point); tied embeddings.
       top_layers: layers of the trained top (``frozen_bottom.split_model``).
