@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "rag_jax"
 # inference (generation, KV caches, chat) needs only the model, so it sits below data: data/grit.py renders
 # chat prompts with inference/chat.py until the shared text module lands.
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(s.split()) for s in (
-    "atomic config metrics sharding distributed text",
+    "rag_jax atomic config metrics sharding distributed text",
     "model",
     "inference",
     "data",
