@@ -13,7 +13,7 @@ from flax import nnx
 
 from rag_jax import sharding
 from rag_jax.data.block_rag import BlockExample, mixed_batch
-from rag_jax.data.tokenizer import byte_tokenizer
+from rag_jax.tokenizer import byte_tokenizer
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.load import LoadedModel, load_model
 from rag_jax.train import optim, step as step_lib

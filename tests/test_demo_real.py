@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from rag_jax import demo
-from rag_jax.data.tokenizer import byte_tokenizer, save_tokenizer
+from rag_jax.tokenizer import byte_tokenizer, save_tokenizer
 from rag_jax.demo import real_model
 from rag_jax.inference.chat import chat_prompt, render_chat, stream_tokens
 from rag_jax.model import ModelConfig, Transformer

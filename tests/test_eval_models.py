@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.data.tokenizer import byte_tokenizer, save_tokenizer
+from rag_jax.tokenizer import byte_tokenizer, save_tokenizer
 from rag_jax.evaluation.models import load_for_eval, rag_settings
 from rag_jax.model import ModelConfig, Transformer
 

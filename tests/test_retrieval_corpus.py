@@ -131,7 +131,7 @@ def test_cli_with_grit_decoder_embedder(tmp_path, capsys):
     """A rag-jax decoder in GRIT embedding mode plugs in: documents without, queries with the instruction."""
     from flax import nnx
 
-    from rag_jax.data.tokenizer import save_tokenizer, train_bpe
+    from rag_jax.tokenizer import save_tokenizer, train_bpe
     from rag_jax.model import ModelConfig, Transformer
     from rag_jax.model.embedding import GritEmbedder
     from rag_jax.model.hf import save_hf

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from rag_jax.data.tokenizer import train_bpe
+from rag_jax.tokenizer import train_bpe
 from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source, names
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import clock_fn, cpu_threads, median_ms

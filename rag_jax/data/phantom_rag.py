@@ -25,8 +25,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rag_jax.tokenizer import BOS, EOS, PAD
+
 QUESTION_FORMAT = "Question: {question}\nAnswer:"
-EOS, BOS, PAD = "<eos>", "<bos>", "<pad>"
+GRIT_INSTRUCTION = "Find the article that answers the question"  # GRIT query instruction (documents: none)
 ATTRIBUTE_PREDICATES = ("dob", "job", "hobby", "gender")
 QUESTION_KINDS = ("auto", "attribute", "evidence", "all")
 

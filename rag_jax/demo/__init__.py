@@ -11,7 +11,7 @@ This module is orchestration and the report; every stage is a component of the l
    trains a BPE tokenizer and a random ``model`` from scratch (the GPU config does).
 3. **Training** with the one trainer (``rag_jax.train.trainer.run``) on the GRIT + Block-Attention objective
    (``rag_jax.train.objectives.grit_block``: GritLM Eq. 3 with the Block-Attention loss as ``L_Gen``) over
-   ``RagTrainingSet`` batches; the output folder is a run folder (``rag_jax.train.run_folder``).
+   ``RagTrainingSet`` batches; the output folder is a run folder (``rag_jax.model.run_folder``).
 4. **Retrieval** (``rag_jax.evaluation.rag.retrieval_eval``): held-out passages embedded with pretrained
    MiniLM and with the trained model in GRIT embedding mode, each into a ScaNN index, and a BM25 index
    (``bm25_eval``); recall@k / hit@k. ``retrieval.retriever`` picks the one that feeds the answers.
@@ -59,7 +59,7 @@ def _mesh(cfg: DemoConfig):
 def _base_model(cfg: DemoConfig, base_dir: Path | None, data, fmt):
     """``(tokenizer, model config, initial params or None)`` (module docstring, stage 2)."""
     if base_dir is None:
-        from rag_jax.data.tokenizer import train_bpe
+        from rag_jax.tokenizer import train_bpe
         # The prompt and GRIT format strings are in every input: let BPE learn them as a few tokens.
         texts = ([p["text"] for p in data.train_passages] + [q["question"] for q in data.train_questions]
                  + [question_block("") + " " + answer_text(q["answer"]) for q in data.train_questions]
@@ -69,7 +69,7 @@ def _base_model(cfg: DemoConfig, base_dir: Path | None, data, fmt):
         return tokenizer, cfg.model.replace(vocab_size=vocab), None
     from flax import nnx
 
-    from rag_jax.data.tokenizer import load_tokenizer
+    from rag_jax.tokenizer import load_tokenizer
     from rag_jax.model.hf import load_hf
     tokenizer = load_tokenizer(base_dir / "tokenizer.json")
     missing = [t for t in (PAD, BOS, EOS) if tokenizer.token_to_id(t) is None]

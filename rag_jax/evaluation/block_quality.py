@@ -40,7 +40,7 @@ from rag_jax import config as config_lib
 from rag_jax import sharding
 from rag_jax.data import block_rag
 from rag_jax.data.phantom import generate_universe
-from rag_jax.data.tokenizer import train_bpe
+from rag_jax.tokenizer import train_bpe
 from rag_jax.evaluation.args import ScriptParser, input_dir, input_file, output_file
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer

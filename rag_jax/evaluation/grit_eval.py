@@ -33,7 +33,7 @@ from rag_jax import config as config_lib
 from rag_jax import sharding
 from rag_jax.data.grit import GritDataConfig, grit_batches, tokenize_generative_record
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, shared_file
-from rag_jax.data.tokenizer import train_bpe
+from rag_jax.tokenizer import train_bpe
 from rag_jax.evaluation.args import ScriptParser, input_file, names, output_file
 from rag_jax.evaluation.tables import table
 from rag_jax.metrics import recall_at_k
@@ -56,7 +56,7 @@ class GritRunConfig:
       data: batch sizes / max lengths of the two streams (``GritDataConfig``).
       steps: optimizer steps per model.
       seed: init, data order and split seed.
-      precision: ``fp32`` | ``bf16`` | ``bf16_pure`` (``rag_jax.train.step.apply_precision``).
+      precision: ``fp32`` | ``bf16`` | ``bf16_pure`` (``rag_jax.model.config.apply_precision``).
       instruction: the query instruction (documents get none, notes §2).
       train_questions / eval_questions: NQ questions used for training / held out.
       corpus_size: passages searched at evaluation (the held-out gold ones plus distractors).

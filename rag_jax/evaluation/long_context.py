@@ -362,7 +362,7 @@ def accuracy(report: dict) -> dict[str, dict[int, tuple[int, int]]]:
 
 def plot(report: dict, path: Path) -> str:
     """Accuracy vs length per method (PNG at ``path``)."""
-    from rag_jax.demo.report import line_plot
+    from rag_jax.evaluation.plots import line_plot
 
     task = report.get("task", "passkey")
     what = f"Passkey ({report['filler']} filler)" if task == "passkey" else TASK_NAMES[task]

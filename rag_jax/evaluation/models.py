@@ -1,7 +1,7 @@
 """The one way evaluation scripts resolve ``--model PATH`` into a model (``rag_jax.model.load.load_model``):
 a run folder, an HF folder, a ``.gguf`` file or an embedded model name.
 
-- run folder (``rag-jax train`` / ``rag-jax demo`` output; ``rag_jax.train.run_folder``): the latest orbax
+- run folder (``rag-jax train`` / ``rag-jax demo`` output; ``rag_jax.model.run_folder``): the latest orbax
   step, its ``config.yaml`` and ``tokenizer.json``;
 - HF folder (``config.json`` + ``*.safetensors``, e.g. ``rag_jax.model.hf.save_hf`` output or a Llama / Qwen
   checkpoint): ``rag_jax.model.hf.load_hf``, with ``tokenizer.json`` when present.
@@ -86,13 +86,13 @@ def rag_settings(config: dict[str, Any]) -> RagSettings:
       ValueError: a section with an unknown key or a bad value (the key named).
     """
     from rag_jax import config as config_lib
-    from rag_jax.data.phantom_rag import TaskConfig, UniverseConfig
-    from rag_jax.demo.config import DemoTrainConfig, RetrievalConfig
+    from rag_jax.data.phantom_rag import GRIT_INSTRUCTION, TaskConfig, UniverseConfig
+    from rag_jax.evaluation.rag import RetrievalConfig
 
     sections = {name: config_lib.from_dict(cls, config.get(name) or {}, prefix=f"{name}.")
                 for name, cls in (("universe", UniverseConfig), ("task", TaskConfig), ("retrieval", RetrievalConfig))}
     grit = config.get("grit") or {}
-    return RagSettings(**sections, grit_instruction=grit.get("instruction", DemoTrainConfig.grit_instruction),
+    return RagSettings(**sections, grit_instruction=grit.get("instruction", GRIT_INSTRUCTION),
                        passage_max_len=int(grit.get("passage_max_len") or 256))
 
 

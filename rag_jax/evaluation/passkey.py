@@ -146,7 +146,7 @@ def train_model(cfg: ModelConfig, steps: int, batch: int, seq_len: int, lr: floa
     """Train with the one trainer (causal LM loss, :func:`training_batch` rows) on one device, from ``init``'s
     weights if given (a fresh optimizer); ``run_dir``: write the run folder there (``load_model`` reads it)."""
     from rag_jax.data.pipeline import DataConfig
-    from rag_jax.data.tokenizer import byte_tokenizer
+    from rag_jax.tokenizer import byte_tokenizer
     from rag_jax.train import trainer
     from rag_jax.train.checkpoint import CheckpointConfig
 

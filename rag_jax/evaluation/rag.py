@@ -6,6 +6,7 @@ metric definitions are in ``rag_jax.metrics``.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -14,6 +15,30 @@ import numpy as np
 from rag_jax.data.phantom_rag import EOS, answer_text, question_block
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.retrieval.scann_index import ScannConfig
+
+RETRIEVERS = ("grit", "minilm", "bm25")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalConfig:
+    """The retrieval section of a RAG run (``rag-jax demo`` config, read back by the evaluation scripts).
+
+    Attributes:
+      retriever: the index that feeds the answering prompts: ``grit`` (the trained model), ``minilm`` (dense,
+        pretrained) or ``bm25`` (lexical, ``rag_jax.retrieval.lexical``); all available ones are reported.
+      ks: cut-offs of the reported recall@k / hit@k.
+      scann: ScaNN index parameters (``auto`` picks brute force below 20K passages).
+    """
+
+    retriever: str = "minilm"
+    ks: tuple[int, ...] = (1, 2, 5, 10)
+    scann: ScannConfig = dataclasses.field(default_factory=ScannConfig)
+
+    def __post_init__(self):
+        if self.retriever not in RETRIEVERS:
+            raise ValueError(f"retrieval.retriever={self.retriever!r}; valid: {RETRIEVERS}")
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"retrieval.ks={self.ks!r} must be a non-empty list of ints >= 1")
 
 
 def score_answer(prediction: str, golds: Sequence[str], *, golds_are_set: bool = True) -> dict[str, float]:
@@ -112,7 +137,7 @@ def generate_answers(block_attention, tokenizer, prompts: Sequence[Sequence[Sequ
 
     ``eos_id``: the id(s) that end an answer; default the demo tokenizer's ``<eos>``.
     """
-    from rag_jax.inference.generate import eos_tuple
+    from rag_jax.tokenizer import eos_tuple
     eos = eos_tuple(tokenizer.token_to_id(EOS) if eos_id is None else eos_id)
     rows = []
     for i in range(0, len(prompts), batch_size):

@@ -396,7 +396,7 @@ class EMLLM:
     def generate(self, prompt, max_new_tokens: int, eos_id: int | Sequence[int] | None = None) -> list[int]:
         """Greedy generation after ``prompt`` (int ``[seq]``); returns up to ``max_new_tokens`` ids, stopping
         after the first id in ``eos_id`` (an int or a sequence of ints)."""
-        from rag_jax.inference.generate import eos_tuple
+        from rag_jax.tokenizer import eos_tuple
 
         eos = eos_tuple(eos_id)
         if max_new_tokens < 0:

@@ -11,11 +11,15 @@ import json
 import os
 from pathlib import Path
 
+from flax import nnx
 from tokenizers import Tokenizer
 
+from rag_jax.model import gguf as gg
 from rag_jax.model.config import ModelConfig
+from rag_jax.model.hf import load_hf
+from rag_jax.model.run_folder import is_run_folder, read_run_config, restore_params
 from rag_jax.model.transformer import Transformer
-from rag_jax.train.run_folder import is_run_folder
+from rag_jax.tokenizer import EOS, eos_tuple, load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +44,7 @@ class LoadedModel:
       eos_ids: ids that end a reply (all of them stop generation).
       special_tokens: ``{"bos_token": str, "eos_token": str, ...}`` for the chat template.
       source: the resolved file or folder.
-      run_config: a run folder's resolved ``config.yaml`` as a dict (``rag_jax.train.run_folder``); {} otherwise.
+      run_config: a run folder's resolved ``config.yaml`` as a dict (``rag_jax.model.run_folder``); {} otherwise.
     """
 
     config: ModelConfig
@@ -88,10 +92,6 @@ def _token_text(value) -> str | None:
 
 
 def _load_hf_folder(path: Path, dtype: str | None) -> LoadedModel:
-    from rag_jax.data.tokenizer import load_tokenizer
-    from rag_jax.inference.generate import eos_tuple
-    from rag_jax.model.hf import load_hf
-
     cfg, model, arch = load_hf(path, dtype=dtype)
     tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
     read = lambda name: json.loads((path / name).read_text()) if (path / name).is_file() else {}  # noqa: E731
@@ -115,12 +115,12 @@ def chat_section(loaded: LoadedModel) -> dict:
 
 
 def _load_run_folder(path: Path) -> LoadedModel:
-    from flax import nnx
-
-    from rag_jax.data.phantom_rag import EOS
-    from rag_jax.train.run_folder import load_run
-
-    config, graphdef, params, tok = load_run(path)
+    """The latest step's parameters (no optimizer: ``run_folder.restore_params``); a run without a ``chat``
+    section ends replies with the trained tokenizers' ``<eos>``."""
+    config = read_run_config(path)
+    tok = load_tokenizer(path / "tokenizer.json")
+    _, graphdef, params = restore_params(path / "checkpoints", config["model"],
+                                         (config.get("train") or {}).get("precision", "fp32"))
     model = nnx.merge(graphdef, params)
     chat = config.get("chat")
     if isinstance(chat, dict):  # a fine-tuned pretrained chat model (chat_section)
@@ -133,8 +133,6 @@ def _load_run_folder(path: Path) -> LoadedModel:
 
 
 def _load_gguf_file(path: Path, dtype: str | None) -> LoadedModel:
-    from rag_jax.model import gguf as gg
-
     f = gg.open_gguf(path)
     cfg, model, arch = gg.load_gguf(f, dtype=dtype)
     tok = gg.tokenizer_from_gguf(f) if f.get("tokenizer.ggml.tokens") is not None else None

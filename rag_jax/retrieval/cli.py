@@ -131,7 +131,7 @@ def make_embedders(ecfg: dict):
     if ecfg["type"] in ("minilm", "bert"):
         emb = BertEmbedder(ecfg["path"], max_length=ecfg["max_length"], batch_size=ecfg["batch_size"])
         return emb, emb
-    from rag_jax.data.tokenizer import load_tokenizer
+    from rag_jax.tokenizer import load_tokenizer
     from rag_jax.model.embedding import GritEmbedder
     from rag_jax.model.load import load_model
     if not ecfg["path"]:
