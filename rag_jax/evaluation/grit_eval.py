@@ -36,7 +36,7 @@ from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, shared_file
 from rag_jax.tokenizer import train_bpe
 from rag_jax.evaluation.args import ScriptParser, input_file, names, output_file
 from rag_jax.evaluation.tables import table
-from rag_jax.metrics import recall_at_k
+from rag_jax.metrics import recall_of_scores
 from rag_jax.model import ModelConfig
 from rag_jax.model.embedding import GritEmbedder
 from rag_jax.train import optim
@@ -182,12 +182,6 @@ def train_model(cfg: GritRunConfig, mode: str, emb_records, gen_records, tokeniz
     return result.graphdef, result.state.params
 
 
-def retrieval_recall(queries: np.ndarray, corpus: np.ndarray, gold: np.ndarray, ks) -> dict[int, float]:
-    """recall@k (``rag_jax.metrics``) of the inner-product ranking of ``corpus`` rows for each query, per k."""
-    order = np.argsort(-(queries @ corpus.T), axis=1, kind="stable")[:, :max(ks)]
-    return {k: recall_at_k(order, [[g] for g in gold], k) for k in ks}
-
-
 def generation_metrics(cfg: GritRunConfig, graphdef, params, tokenizer, records) -> tuple[float, float]:
     """Teacher-forced loss (nats/token) and next-token accuracy on held-out answers."""
     from flax import nnx
@@ -233,14 +227,14 @@ def main(argv=None) -> int:
         graphdef, params = train_model(cfg, mode, emb, gen, tokenizer)
         embedder = GritEmbedder((graphdef, params), tokenizer, instruction=cfg.instruction,
                                 max_length=cfg.data.passage_max_len, batch_size=32)
-        recall = retrieval_recall(embedder.embed(questions), embedder.embed(corpus, instruction=""), gold,
+        recall = recall_of_scores(embedder.embed(questions) @ embedder.embed(corpus, instruction="").T, gold,
                                   cfg.recall_k)
         loss, acc = generation_metrics(cfg, graphdef, params, tokenizer, test_gen)
         results[mode] = {**{f"recall@{k}": v for k, v in recall.items()}, "gen_loss": loss, "gen_accuracy": acc}
     if not args.no_minilm:
         from rag_jax.retrieval.embedders import BertEmbedder
         minilm = BertEmbedder(max_length=cfg.data.passage_max_len)
-        recall = retrieval_recall(minilm.embed(questions), minilm.embed(corpus), gold, cfg.recall_k)
+        recall = recall_of_scores(minilm.embed(questions) @ minilm.embed(corpus).T, gold, cfg.recall_k)
         results["minilm (pretrained)"] = {f"recall@{k}": v for k, v in recall.items()}
 
     cols = [f"recall@{k}" for k in cfg.recall_k] + ["gen_loss", "gen_accuracy"]

@@ -83,6 +83,7 @@ from flax import nnx
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
 from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, names, output_file, real
 from rag_jax.evaluation.tables import table
+from rag_jax.metrics import recall_of_scores
 
 INSTRUCTION = "Given a question, retrieve Wikipedia passages that answer the question"
 KS = (1, 5, 20)
@@ -127,10 +128,8 @@ def split_nq(examples, *, eval_questions: int, train_questions: int, pool: int, 
 
 
 def recall(scores: np.ndarray, gold: Sequence[int], ks: Sequence[int] = KS) -> dict[str, float]:
-    """recall@k (one gold column per row) of the descending ``scores [queries, corpus]`` ranking, per k."""
-    from rag_jax.metrics import recall_at_k
-    order = np.argsort(-scores, axis=1, kind="stable")[:, :max(ks)]
-    return {f"recall@{k}": recall_at_k(order, [[g] for g in gold], k) for k in ks}
+    """``{"recall@k": ...}`` of the descending ``scores [queries, corpus]`` ranking (``metrics.recall_of_scores``)."""
+    return {f"recall@{k}": v for k, v in recall_of_scores(scores, gold, ks).items()}
 
 
 def gold_ranks(scores: np.ndarray, gold: Sequence[int]) -> list[int]:
