@@ -47,7 +47,10 @@ ALLOWED_CYCLES: dict[tuple[str, ...], str] = {}
 # Package-level cycles still present, with reasons.
 ALLOWED_PACKAGE_CYCLES: dict[tuple[str, ...], str] = {("demo", "evaluation"): _CHAT_BLOCKS}
 
-MAX_FUNCTION_IMPORTS = 196  # package-internal imports inside functions
+# Package-internal imports inside functions: 197 before issue 26. Left: cli.py's lazy dispatch (``rag-jax --help``
+# imports no subcommand), and files other changes of issue 26 are rewriting (evaluation/block_nq.py,
+# train/block_finetune.py, inference/chat.py, demo/real_model.py, data/grit.py).
+MAX_FUNCTION_IMPORTS = 40
 
 
 @dataclasses.dataclass(frozen=True)

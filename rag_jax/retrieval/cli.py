@@ -29,12 +29,16 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from rag_jax import config as config_lib
 from rag_jax.atomic import check_target
+from rag_jax.model.embedding import GritEmbedder
+from rag_jax.model.load import load_model
 from rag_jax.retrieval.corpus import Corpus
 from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
 from rag_jax.retrieval.exact import ExactIndex
 from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
 from rag_jax.retrieval.storage import atomic_directory, read_manifest
+from rag_jax.tokenizer import load_tokenizer
 
 FORMAT = "rag_jax.retrieval_build"
 EMBEDDERS = ("minilm", "bert", "grit")
@@ -122,7 +126,6 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
       ValueError: unknown key (with the closest valid one), a key set twice, malformed override, or an invalid
         value (the key named); FileNotFoundError-like messages for a missing YAML file.
     """
-    from rag_jax import config as config_lib
     return config_lib.to_dict(config_lib.load_config(BuildConfig, path, list(overrides)))
 
 
@@ -131,9 +134,6 @@ def make_embedders(ecfg: dict):
     if ecfg["type"] in ("minilm", "bert"):
         emb = BertEmbedder(ecfg["path"], max_length=ecfg["max_length"], batch_size=ecfg["batch_size"])
         return emb, emb
-    from rag_jax.tokenizer import load_tokenizer
-    from rag_jax.model.embedding import GritEmbedder
-    from rag_jax.model.load import load_model
     if not ecfg["path"]:
         raise ValueError("embedder.type=grit needs embedder.path (HF checkpoint folder, .gguf file or embedded model "
                          "name) and embedder.tokenizer unless the checkpoint has one")

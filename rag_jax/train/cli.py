@@ -13,6 +13,7 @@ import logging
 import sys
 
 from rag_jax import distributed
+from rag_jax.train import trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +39,6 @@ def train(argv: list[str] | None = None):
     for noisy in ("absl", "orbax", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    from rag_jax.train import trainer  # config loading touches no device
     cfg = trainer.load_run_config(args.config, args.overrides)
     if args.auto_distributed:
         import jax

@@ -35,11 +35,12 @@ from tqdm import tqdm
 
 from rag_jax import config as config_lib
 from rag_jax import sharding
+from rag_jax.atomic import write_text
 from rag_jax.data import pipeline
-from rag_jax.tokenizer import load_tokenizer
 from rag_jax.model import ModelConfig
 from rag_jax.model.config import PRECISIONS, apply_precision
 from rag_jax.model.transformer import REMAT_POLICIES
+from rag_jax.tokenizer import load_tokenizer, save_tokenizer
 from rag_jax.train import checkpoint as ckpt_lib
 from rag_jax.train import metrics as metrics_lib
 from rag_jax.train import optim, step as step_lib
@@ -274,8 +275,6 @@ def _check_batch(batch: dict[str, np.ndarray], mesh, rules) -> None:
 def _write_run_files(cfg: RunConfig, task: Task, extra_config: dict | None) -> None:
     import yaml
 
-    from rag_jax.atomic import write_text
-    from rag_jax.tokenizer import save_tokenizer
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = {**config_lib.to_dict(cfg), **(extra_config or {})}
