@@ -35,6 +35,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 
 from rag_jax import config as config_lib
 from rag_jax import sharding
@@ -307,10 +308,10 @@ def main(argv=None) -> int:
         loaded = load_for_eval(recipe.init.hf_dir)
         if loaded.tokenizer is None:
             raise FileNotFoundError(f"init.hf_dir={recipe.init.hf_dir!r} has no tokenizer.json")
-        model_cfg = loaded.model_config
+        model_cfg = loaded.config
         recipe = dataclasses.replace(recipe, model=model_cfg.replace(max_seq_len=max(model_cfg.max_seq_len,
                                                                                      d.seq_len)))
-        init_params, tokenizer = loaded.params, loaded.tokenizer
+        init_params, tokenizer = nnx.state(loaded.model), loaded.tokenizer
     else:
         # Unlabelled text only: all article texts (evaluation universe included, so its new names are not
         # split into bytes), training questions, and the template strings.

@@ -166,7 +166,7 @@ def train_model(cfg: ModelConfig, steps: int, batch: int, seq_len: int, lr: floa
 
 def load_model(path: str | Path) -> Transformer:
     """The model of a run folder (e.g. :func:`train_model`'s ``run_dir``) or an HF folder."""
-    return load_for_eval(path).module()
+    return load_for_eval(path).model
 
 
 def method_config(method: str, base: EMLLMConfig, length: int, infllm_block: int) -> EMLLMConfig:

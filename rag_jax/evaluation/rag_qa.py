@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     if args.data.is_dir():
         report, examples = eval_phantomwiki(args, settings, loaded.model, loaded.tokenizer)
     else:
-        report, examples = eval_nq(args, loaded.model_config.max_seq_len, loaded.model, loaded.tokenizer)
+        report, examples = eval_nq(args, loaded.config.max_seq_len, loaded.model, loaded.tokenizer)
     report["info"].update(model=str(args.model), seconds=timer.total()[0], examples=examples)
     print_table(report)
     out = args.out or Path("runs/eval") / f"rag_qa_{args.data.name.split('.')[0]}.json"

