@@ -19,6 +19,7 @@ from rag_jax.data.phantom_rag import EOS, answer_text, question_block
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.retrieval.lexical import BM25Index
+from rag_jax.retrieval.pipeline import Retriever
 from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
 from rag_jax.tokenizer import eos_tuple
 
@@ -92,13 +93,11 @@ def retrieval_eval(name: str, embed_docs, embed_queries, docs: Sequence[str], qu
       "seconds", "num_docs", "retriever", "index"})``.
     """
     t0 = time.perf_counter()
-    vectors = embed_docs(list(docs))
-    index = ScannIndex(vectors.shape[1], scann)
-    index.add(vectors, np.arange(len(docs)))
-    index.build()
-    _, ranked = index.search(embed_queries(list(queries)), max(depth, *ks))
+    retriever = Retriever.from_texts(docs, embed_docs, embed_queries, lambda dim: ScannIndex(dim, scann))
+    _, ranked = retriever.search_ids(queries, max(depth, *ks))
     result = ranked_metrics(ranked, gold, hops, ks)
-    result.update(seconds=time.perf_counter() - t0, num_docs=len(docs), retriever=name, index=dict(index.params))
+    result.update(seconds=time.perf_counter() - t0, num_docs=len(docs), retriever=name,
+                  index=dict(retriever.index.params))
     return ranked, result
 
 
