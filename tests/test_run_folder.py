@@ -63,3 +63,19 @@ def test_the_loader_builds_no_optimizer(run, monkeypatch):
                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": sys.path[0]})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("text, match", [
+    ("model: [1, 2\n", "is not valid YAML"),
+    ("- a list\n", "must hold a mapping of sections; got list"),
+    ("model: {}\ntrain: {}\n", r"lacks the section\(s\) \['optimizer'\]"),
+    ("model: {hidden_sise: 8}\noptimizer: {}\ntrain: {}\n", "hidden_sise"),
+    ("model: {}\noptimizer: {}\ntrain: {precision: fp8}\n", "train.precision='fp8' is not valid"),
+])
+def test_a_malformed_config_is_one_line_naming_the_file(tmp_path, text, match):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "config.yaml").write_text(text)
+    with pytest.raises(ValueError, match=match) as e:
+        read_run_config(tmp_path)
+    assert str(tmp_path / "config.yaml") in str(e.value) and "\n" not in str(e.value)

@@ -20,7 +20,7 @@ import yaml
 from flax import nnx
 
 from rag_jax import config as config_lib
-from rag_jax.model.config import ModelConfig, apply_precision
+from rag_jax.model.config import PRECISIONS, ModelConfig, apply_precision
 from rag_jax.model.transformer import Transformer
 
 REQUIRED = ("config.yaml", "tokenizer.json", "checkpoints")
@@ -38,18 +38,33 @@ def read_run_config(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
       FileNotFoundError: the folder, its ``config.yaml``, ``tokenizer.json`` or ``checkpoints/`` are missing.
-      ValueError: a ``config.yaml`` without valid ``model`` / ``optimizer`` / ``train`` sections (named).
+      ValueError: one line naming the file: not YAML, not a mapping, a missing ``model`` / ``optimizer`` /
+        ``train`` section, a ``model`` key or value ``ModelConfig`` rejects, or an unknown ``train.precision``.
     """
     path = Path(path)
     for name in REQUIRED:
         if not (path / name).exists():
             raise FileNotFoundError(f"{path / name} not found; pass a run folder (rag-jax train / rag-jax demo "
                                     f"output, with {', '.join(REQUIRED)})")
-    raw = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    file = path / "config.yaml"
+    try:
+        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{file} is not valid YAML ({' '.join(str(e).split())[:200]})") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} must hold a mapping of sections; got {type(raw).__name__}")
     missing = [k for k in ("model", "optimizer", "train") if not isinstance(raw.get(k), dict)]
     if missing:
-        raise ValueError(f"{path / 'config.yaml'} lacks the section(s) {missing} a run folder's config has")
-    return {**raw, "model": config_lib.from_dict(ModelConfig, raw["model"], prefix="model.")}
+        raise ValueError(f"{file} lacks the section(s) {missing} a run folder's config has")
+    try:
+        model_cfg = config_lib.from_dict(ModelConfig, raw["model"], prefix="model.")
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{file}: {' '.join(str(e).split())}") from None
+    if raw["train"].get("precision", "fp32") not in PRECISIONS:
+        raise ValueError(f"{file}: train.precision={raw['train']['precision']!r:.80} is not valid; "
+                         f"valid: {list(PRECISIONS)}")
+    return {**raw, "model": model_cfg}
 
 
 def restore_params(checkpoints: str | os.PathLike, model_cfg: ModelConfig, precision: str = "fp32",
