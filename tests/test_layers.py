@@ -221,7 +221,7 @@ def test_few_imports_inside_functions():
                                       "optional heavy dependency"
 
 
-def test_the_analysis_sees_what_it_should(tmp_path):
+def test_the_analysis_sees_what_it_should():
     """The cycle finder and the edge parser on known inputs."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [("a", "b", "c")]
     assert cycles({"a": {"b"}, "b": set()}) == []
