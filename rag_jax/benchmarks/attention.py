@@ -34,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 
+import jax
+
 from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source, names
 from rag_jax.evaluation.timing import clock_fn, cpu_threads, median_ms
 from rag_jax.model import ModelConfig, Transformer
@@ -88,7 +90,6 @@ def kernel_run(impl: str, length: int, args):
         def run():
             return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
         return run
-    import jax
     import jax.numpy as jnp
 
     seg = jnp.ones((1, length), jnp.int32)
@@ -102,7 +103,8 @@ def worker(impl: str, length: int, args) -> dict:
     """One measurement in this process: ``impl`` in ATTENTION_IMPLS or ``hf``."""
     import numpy as np
     tokens = np.random.default_rng(args.seed).integers(1, 4000, (1, length))
-    os.environ["JAX_PLATFORMS"] = args.platform  # e.g. no TPU runtime probe (and its memory) on a CPU bench
+    # e.g. no TPU runtime probe (and its memory) on a CPU bench; the config, not JAX_PLATFORMS: jax is imported
+    jax.config.update("jax_platforms", args.platform)
     cpu_threads(args.threads)  # read when the XLA backend starts, not at import
     if impl == "hf" and args.threads:
         import torch
@@ -122,7 +124,6 @@ def worker(impl: str, length: int, args) -> dict:
         def run():
             return model(ids, use_cache=False, logits_to_keep=1).logits
     else:
-        import jax
         import jax.numpy as jnp
         from flax import nnx
 
