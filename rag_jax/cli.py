@@ -31,7 +31,7 @@ def _smoke(args) -> int:
     from flax import nnx
 
     from rag_jax.data.phantom import generate_universe
-    from rag_jax.data.tokenizer import train_bpe
+    from rag_jax.tokenizer import train_bpe
     from rag_jax.inference.generate import generate
     from rag_jax.model import ModelConfig, Transformer
 

@@ -5,7 +5,7 @@ Each component owns a frozen dataclass next to its code (``MeshConfig`` in shard
 overrides)`` builds it from defaults <- YAML <- overrides (dotted keys, e.g. ``optimizer.learning_rate=1e-3``)
 and rejects, with the dotted key in the message: unknown keys (with the closest valid name), values of
 the wrong type (a float field must be finite: NaN/inf are rejected; an int field takes no fractions), a key given twice (in one YAML mapping or among the overrides), and malformed overrides.
-A section whose class is ``ModelConfig`` accepts ``preset: <name>`` to start from a model preset
+A section whose class has ``CONFIG_PRESETS`` (``ModelConfig``) accepts ``preset: <name>`` to start from a preset
 (the MaxText pattern of a base config plus a model file; research note jax_frameworks.md section 1.1).
 """
 from __future__ import annotations
@@ -41,11 +41,6 @@ def _mapping_no_duplicates(loader, node, deep=False):
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_no_duplicates)
-
-
-def _presets_for(cls) -> dict[str, dict] | None:
-    from rag_jax.model.config import ModelConfig, PRESETS
-    return PRESETS if cls is ModelConfig else None
 
 
 def _type_name(tp) -> str:
@@ -179,7 +174,7 @@ def from_dict(cls, data: dict[str, Any] | None, prefix: str = "", _from_string: 
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    presets = _presets_for(cls)
+    presets = getattr(cls, "CONFIG_PRESETS", None)  # {name: field values} of a class with presets
     kwargs: dict[str, Any] = {}
     if presets is not None and "preset" in data:
         name = data.pop("preset")

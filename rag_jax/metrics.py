@@ -16,7 +16,8 @@ Definitions (research note ``shared/research/retrieval_eval.md`` §2 "Shared met
 * ``phantom_set_metrics``: PhantomWiki's score (``phantom_eval/score.py``): split prediction and gold
   on ``","``, strip, lowercase, compare as sets — exact match, precision, recall, F1. No punctuation
   or article stripping.
-* ``recall_at_k`` / ``hit_at_k``: id-based retrieval metrics over ranked lists.
+* ``recall_at_k`` / ``hit_at_k``: id-based retrieval metrics over ranked lists (``recall_per_query``: the
+  per-query terms; ``recall_of_scores``: recall@k of a score matrix's ranking).
 
 All scores are Python floats in [0, 1].
 """
@@ -27,9 +28,11 @@ import string
 from collections import Counter
 from collections.abc import Collection, Sequence
 
+import numpy as np
+
 __all__ = [
     "normalize_answer", "light_normalize", "exact_match", "f1_score", "best_subspan_em", "normalize_set",
-    "phantom_set_metrics", "recall_at_k", "hit_at_k",
+    "phantom_set_metrics", "recall_at_k", "recall_per_query", "recall_of_scores", "hit_at_k",
 ]
 
 _PUNCT = frozenset(string.punctuation)
@@ -163,8 +166,29 @@ def recall_at_k(retrieved: Sequence[Sequence], gold: Sequence[Collection], k: in
     Raises:
       ValueError: k < 1, different numbers of queries, or an empty gold set.
     """
-    found = _found_per_query(retrieved, gold, k)
-    return sum(f / n for f, n in found) / len(found) if found else 0.0
+    per_query = recall_per_query(retrieved, gold, k)
+    return sum(per_query) / len(per_query) if per_query else 0.0
+
+
+def recall_per_query(retrieved: Sequence[Sequence], gold: Sequence[Collection], k: int) -> list[float]:
+    """|top-k ∩ gold| / |gold| of each query (the terms :func:`recall_at_k` averages; for a standard error).
+
+    Same arguments and errors as :func:`recall_at_k`.
+    """
+    return [f / n for f, n in _found_per_query(retrieved, gold, k)]
+
+
+def recall_of_scores(scores, gold: Sequence[int], ks: Sequence[int]) -> dict[int, float]:
+    """``{k: recall@k}`` of ranking each row of ``scores [queries, documents]`` best first (ties: lower id
+    first), one gold document id per query.
+
+    Raises:
+      ValueError: as :func:`recall_at_k` (a k < 1, a query count differing from ``len(gold)``).
+    """
+    if not ks or min(ks) < 1:
+        raise ValueError(f"ks={ks!r} must be a non-empty list of ints >= 1")
+    order = np.argsort(-np.asarray(scores), axis=1, kind="stable")[:, :max(ks)]
+    return {k: recall_at_k(order, [[g] for g in gold], k) for k in ks}
 
 
 def hit_at_k(retrieved: Sequence[Sequence], gold: Sequence[Collection], k: int) -> float:

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from rag_jax.data.block_rag import BlockExample
-from rag_jax.data.tokenizer import byte_tokenizer
+from rag_jax.tokenizer import byte_tokenizer
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.load import LoadedModel, load_model
 from rag_jax.train.block_distill import (DistillConfig, DistillFeatures, answer_loglik, answer_logprobs,

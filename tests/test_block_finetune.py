@@ -13,7 +13,7 @@ from flax import nnx
 
 from rag_jax import sharding
 from rag_jax.data.block_rag import BlockExample, mixed_batch
-from rag_jax.data.tokenizer import byte_tokenizer
+from rag_jax.tokenizer import byte_tokenizer
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.load import LoadedModel, load_model
 from rag_jax.train import optim, step as step_lib
@@ -120,7 +120,7 @@ def test_finetune_writes_a_run_folder_that_loads_and_resumes(tmp_path):
 def test_nq_training_rows_fill_seq_len_with_ranked_negatives():
     from types import SimpleNamespace
 
-    from rag_jax.demo.real_model import PASSAGE, ChatBlocks
+    from rag_jax.data.chat_blocks import PASSAGE, ChatBlocks
     from rag_jax.evaluation.block_nq import training_examples
     rng = np.random.default_rng()
     loaded = _tiny_chat_model(0)

@@ -70,7 +70,7 @@ def test_tiny_demo_data_are_attribute_questions_answered_by_their_article():
 
 
 def test_rag_prompt_blocks_decode_to_passages_and_question():
-    from rag_jax.data.tokenizer import train_bpe
+    from rag_jax.tokenizer import train_bpe
     tok = train_bpe(["# Ada Lee\nThe hobby of Ada Lee is chess.\n", "Question: What is it?\nAnswer:"] * 5, 300,
                     special_tokens=(phantom_rag.PAD, phantom_rag.BOS, phantom_rag.EOS, "<unk>"))
     ex = phantom_rag.rag_example(tok, "What is the hobby of Ada Lee?", ["# Ada Lee\nhobby chess\n", "# Bo\nx\n"], "chess")
@@ -185,7 +185,7 @@ def test_packaged_base_reads_a_held_out_universe():
     """The shipped reader base (``train/pretrain_reader.py``) answers attribute questions about people it has
     never seen (the demo's held-out universe, seed 1) from their gold passage, and cannot without it."""
     from rag_jax.data.phantom import generate_universe
-    from rag_jax.data.tokenizer import load_tokenizer
+    from rag_jax.tokenizer import load_tokenizer
     from rag_jax.inference.block_attention import BlockAttention
     from rag_jax.model.hf import load_hf
 

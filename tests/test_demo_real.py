@@ -9,9 +9,10 @@ import pytest
 from flax import nnx
 
 from rag_jax import demo
-from rag_jax.data.tokenizer import byte_tokenizer, save_tokenizer
+from rag_jax.tokenizer import byte_tokenizer, save_tokenizer
 from rag_jax.demo import real_model
-from rag_jax.inference.chat import chat_prompt, render_chat, stream_tokens
+from rag_jax.inference.chat import chat_prompt, stream_tokens
+from rag_jax.text import render_chat
 from rag_jax.model import ModelConfig, Transformer
 
 TINY = Path(__file__).resolve().parents[1] / "train" / "configs" / "demo_tiny.yaml"

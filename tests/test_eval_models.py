@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.data.tokenizer import byte_tokenizer, save_tokenizer
+from rag_jax.tokenizer import byte_tokenizer, save_tokenizer
 from rag_jax.evaluation.models import load_for_eval, rag_settings
 from rag_jax.model import ModelConfig, Transformer
 
@@ -22,8 +22,8 @@ def test_hf_folder(tmp_path):
     model = Transformer(CFG, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 30))))
     save_hf(model, tmp_path / "hf")
     loaded = load_for_eval(tmp_path / "hf")
-    assert loaded.kind == "hf" and loaded.tokenizer is None and loaded.config == {}
-    _same(loaded.module(), model)
+    assert loaded.kind == "hf" and loaded.tokenizer is None and loaded.run_config == {}
+    _same(loaded.model, model)
     save_tokenizer(byte_tokenizer(), tmp_path / "hf")
     assert load_for_eval(tmp_path / "hf").tokenizer.encode("ab").ids == [97, 98]
 
@@ -33,10 +33,10 @@ def test_run_folder_of_the_passkey_trainer(tmp_path):
     from rag_jax.evaluation.passkey import train_model
     model = train_model(CFG, steps=2, batch=2, seq_len=160, lr=1e-3, seed=0, run_dir=tmp_path / "run", progress=False)
     loaded = load_for_eval(tmp_path / "run")
-    assert loaded.kind == "run" and loaded.model_config.hidden_size == 32
+    assert loaded.kind == "run" and loaded.config.hidden_size == 32
     assert loaded.tokenizer.encode("key:1").ids == list(b"key:1")
-    _same(loaded.module(), model)
-    settings = rag_settings(loaded.config)         # no demo sections: the demo's defaults
+    _same(loaded.model, model)
+    settings = rag_settings(loaded.run_config)         # no demo sections: the demo's defaults
     assert settings.task.num_passages >= 1 and settings.passage_max_len == 256
 
 

@@ -34,11 +34,11 @@ from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf")
 
-from rag_jax.data.tokenizer import byte_tokenizer, load_tokenizer  # noqa: E402
+from rag_jax.tokenizer import byte_tokenizer, load_tokenizer  # noqa: E402
 from rag_jax.model import ModelConfig, Transformer  # noqa: E402
 from rag_jax.model.hf import load_hf, save_hf  # noqa: E402
 from rag_jax.model.load import load_model  # noqa: E402
-from rag_jax.train.run_folder import read_run_config  # noqa: E402
+from rag_jax.model.run_folder import read_run_config  # noqa: E402
 
 EXAMPLES = int(os.environ.get("RAG_JAX_FUZZ_EXAMPLES", "25"))
 TIME_LIMIT_S = 10.0          # per input; the seeds load in well under a second
@@ -261,8 +261,8 @@ def test_seeds_load(tmp_path):
     loaded = load_model(path)
     assert loaded.tokenizer.encode("the").ids and loaded.config.num_layers == 1
     load_hf(seeds["hf"])
-    (tmp_path / "config.yaml").write_text(RUN_YAML)
-    assert read_run_config(tmp_path / "config.yaml")[3] == (10, 3, "fp32")
+    _run_folder(tmp_path).joinpath("config.yaml").write_text(RUN_YAML)
+    assert read_run_config(tmp_path)["train"]["steps"] == 10
     (tmp_path / "tokenizer.json").write_text(json.dumps(seeds["tokenizer"]))
     assert load_tokenizer(tmp_path / "tokenizer.json").encode("ab").ids == [97, 98]
     BASELINE_RSS_MB[0] = _rss_mb()
@@ -362,17 +362,25 @@ def test_fuzz_config_json(tmp_path_factory, data):
     _check("config.json", folder / "config.json", lambda: load_hf(folder))
 
 
+def _run_folder(folder):
+    """``folder`` with the files a run folder must have besides ``config.yaml`` (read_run_config checks them)."""
+    (folder / "checkpoints").mkdir(exist_ok=True)
+    (folder / "tokenizer.json").touch()
+    return folder
+
+
 @FUZZ
 @given(data=st.data())
 def test_fuzz_run_config_yaml(tmp_path_factory, data):
     import yaml
-    path = tmp_path_factory.mktemp("y") / "config.yaml"
+    folder = _run_folder(tmp_path_factory.mktemp("y"))
+    path = folder / "config.yaml"
     if data.draw(st.booleans()):
         text = yaml.safe_dump(json.loads(data.draw(json_edits(yaml.safe_load(RUN_YAML))))).encode()
     else:
         text = data.draw(byte_edits(RUN_YAML.encode()))
     path.write_bytes(text)
-    _check("config.yaml", path, lambda: read_run_config(path))
+    _check("config.yaml", path, lambda: read_run_config(folder))
 
 
 @FUZZ

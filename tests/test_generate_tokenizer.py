@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.data.tokenizer import byte_tokenizer, load_tokenizer, save_tokenizer, train_bpe
+from rag_jax.tokenizer import byte_tokenizer, load_tokenizer, save_tokenizer, train_bpe
 from rag_jax.inference.generate import generate
 from rag_jax.model import ModelConfig, Transformer
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rag_jax.data.grit import GritDataConfig, grit_batches, tokenize_generative_record
-from rag_jax.data.tokenizer import train_bpe
+from rag_jax.tokenizer import train_bpe
 from rag_jax.model.embedding import GritFormat
 
 WORDS = "alpha beta gamma delta river mountain city music paper science answer question who what".split()

@@ -11,7 +11,7 @@ from flax import nnx
 
 from rag_jax import sharding
 
-from rag_jax.data.tokenizer import train_bpe
+from rag_jax.tokenizer import train_bpe
 from rag_jax.inference.grit_cache import GritCache
 from rag_jax.inference.kv_store import KVStore
 from rag_jax.model import ModelConfig, Transformer

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.data.tokenizer import byte_tokenizer
+from rag_jax.tokenizer import byte_tokenizer
 from rag_jax.evaluation import long_context
 from rag_jax.memory import EMLLM, EMLLMConfig
 from rag_jax.model import ModelConfig, Transformer

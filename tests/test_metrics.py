@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from rag_jax.metrics import (best_subspan_em, exact_match, f1_score, hit_at_k, normalize_answer, normalize_set,
-                             phantom_set_metrics, recall_at_k)
+                             phantom_set_metrics, recall_at_k, recall_of_scores, recall_per_query)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -75,6 +75,7 @@ def test_recall_and_hit_at_k():
     ids = np.array([[3, -1], [0, 2]], dtype=np.int64)  # Index.search output with -1 padding
     assert recall_at_k(ids, [[3], [2, 5]], 2) == pytest.approx(0.75)
     assert recall_at_k([["Ann Lee", "Bo Li"]], [("Bo Li",)], 5) == 1.0  # string ids, k beyond the list
+    assert recall_per_query(retrieved, gold, 3) == [0.5, 0.0, 1.0]
     assert recall_at_k([], [], 3) == 0.0
     with pytest.raises(ValueError, match="k=0 must be an int >= 1"):
         recall_at_k(retrieved, gold, 0)
@@ -82,3 +83,11 @@ def test_recall_and_hit_at_k():
         hit_at_k(retrieved, gold[:2], 1)
     with pytest.raises(ValueError, match=r"gold\[1\] is empty"):
         recall_at_k(retrieved, [{1}, set(), {2}], 1)
+
+
+def test_recall_of_scores():
+    scores = np.array([[0.1, 0.9, 0.5], [0.7, 0.7, 0.2], [0.0, 0.3, 0.1]])
+    # rankings: q0 -> 1, 2, 0; q1 -> 0, 1 (tie: lower id first), 2; q2 -> 1, 2, 0
+    assert recall_of_scores(scores, [2, 1, 0], ks=(1, 2, 3)) == {1: 0.0, 2: pytest.approx(2 / 3), 3: 1.0}
+    with pytest.raises(ValueError, match="ks"):
+        recall_of_scores(scores, [2, 1, 0], ks=())

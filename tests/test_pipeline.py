@@ -4,7 +4,7 @@ import pytest
 
 from rag_jax.data import pipeline, text_tfds
 from rag_jax.data.phantom import generate_universe
-from rag_jax.data.tokenizer import load_tokenizer
+from rag_jax.tokenizer import load_tokenizer
 
 VOCAB = 384
 

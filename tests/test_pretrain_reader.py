@@ -16,7 +16,7 @@ def test_rows_hold_the_gold_passage_and_answer_spans():
         chosen, earlier = u.row(q, 3, 4, rng)
         assert q["gold"][0] in chosen and len(set(chosen)) == 3 and len(earlier) <= 3
         assert all(set(o["gold"]) <= set(chosen) for o in earlier)
-    from rag_jax.data.tokenizer import train_bpe
+    from rag_jax.tokenizer import train_bpe
     tok = train_bpe([a["article"] for a in u.articles], 400)
     early = pr.make_batch(tok, [u], 0, args, {})      # first half: the gold passage alone
     late = pr.make_batch(tok, [u], 9, args, {})

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from rag_jax import atomic, config as config_lib, distributed, metrics
-from rag_jax.data.tokenizer import load_tokenizer
+from rag_jax.tokenizer import load_tokenizer
 from rag_jax.inference.generate import generate
 from rag_jax.model import ModelConfig
 from rag_jax.model.hf import load_hf, params_equal, save_hf

@@ -8,6 +8,8 @@ import tokenizers
 from rag_jax.retrieval import cli
 from rag_jax.retrieval.corpus import Corpus, Document
 from rag_jax.retrieval.embedders import minilm_dir
+from rag_jax.retrieval.exact import ExactIndex
+from rag_jax.retrieval.pipeline import Retriever
 
 DOCS = [
     {"id": "volcano", "title": "Volcanoes",
@@ -103,8 +105,8 @@ def test_cli_build_and_query(tmp_path, capsys):
     # Same corpus through the ScaNN index via overrides; the retriever agrees with exact search.
     cli.main(["build", str(config), "index.type=scann", "index.scann.num_neighbors=5",
               f"output={tmp_path / 'out_scann'}", "--no-progress"])
-    exact = cli.Retriever(tmp_path / "out").search(["a stringed instrument played with a bow"], 4)
-    scann = cli.Retriever(tmp_path / "out_scann").search(["a stringed instrument played with a bow"], 4)
+    exact = Retriever.load(tmp_path / "out").search(["a stringed instrument played with a bow"], 4)
+    scann = Retriever.load(tmp_path / "out_scann").search(["a stringed instrument played with a bow"], 4)
     assert exact[0][0]["doc_id"] == "violin"
     assert [h["chunk"] for h in scann[0]] == [h["chunk"] for h in exact[0]]
     np.testing.assert_allclose([h["score"] for h in scann[0]], [h["score"] for h in exact[0]], atol=1e-5)
@@ -131,7 +133,7 @@ def test_cli_with_grit_decoder_embedder(tmp_path, capsys):
     """A rag-jax decoder in GRIT embedding mode plugs in: documents without, queries with the instruction."""
     from flax import nnx
 
-    from rag_jax.data.tokenizer import save_tokenizer, train_bpe
+    from rag_jax.tokenizer import save_tokenizer, train_bpe
     from rag_jax.model import ModelConfig, Transformer
     from rag_jax.model.embedding import GritEmbedder
     from rag_jax.model.hf import save_hf
@@ -148,7 +150,7 @@ def test_cli_with_grit_decoder_embedder(tmp_path, capsys):
                                  f"embedder.tokenizer={tmp_path / 'tok'}", "embedder.max_length=96",
                                  "embedder.query_instruction=Find the article", "index.type=exact"])
     cli.build(cfg, progress=False)
-    hits = cli.Retriever(tmp_path / "out").search(["moon landing"], 3)[0]
+    hits = Retriever.load(tmp_path / "out").search(["moon landing"], 3)[0]
     # Reference: the same embeddings computed directly, searched exactly.
     reference = GritEmbedder(model, tok, max_length=96)
     docs_emb = reference.embed(texts)
@@ -158,3 +160,24 @@ def test_cli_with_grit_decoder_embedder(tmp_path, capsys):
     scores, ids = ref.search(query_emb, 3)
     assert [h["chunk"] for h in hits] == ids[0].tolist()
     np.testing.assert_allclose([h["score"] for h in hits], scores[0], atol=1e-5)
+
+
+def test_retriever_from_texts_equals_the_index_it_builds():
+    """The pipeline the demo uses: embed, index, search; the same ids and scores as the index searched by hand."""
+    rng = np.random.default_rng()
+    table = {}
+
+    def embed(texts):
+        out = np.stack([table.setdefault(t, rng.standard_normal(8).astype(np.float32)) for t in texts])
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    docs = [f"doc {i}" for i in range(20)]
+    retriever = Retriever.from_texts(docs, embed, embed, lambda dim: ExactIndex(dim))
+    scores, ids = retriever.search_ids(["doc 3", "doc 11"], 4)
+    assert ids[:, 0].tolist() == [3, 11] and np.allclose(scores[:, 0], 1.0, atol=1e-5)
+    by_hand = ExactIndex(8)
+    by_hand.add(embed(docs), np.arange(20))
+    want_scores, want_ids = by_hand.search(embed(["doc 3", "doc 11"]), 4)
+    assert ids.tolist() == want_ids.tolist() and np.allclose(scores, want_scores)
+    with pytest.raises(ValueError, match="no corpus"):
+        retriever.search(["doc 3"], 2)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.data.tokenizer import byte_tokenizer
+from rag_jax.tokenizer import byte_tokenizer
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.grit_cache import GritCache
 from rag_jax.inference.kv_store import KVStore, WeightsFingerprint, model_fingerprint

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from rag_jax.data.text_tfds import prepare_text_dataset
+from rag_jax.model.config import apply_precision
 from rag_jax.train import metrics as metrics_lib
 from rag_jax.train import step as step_lib
 from rag_jax.train import trainer
@@ -37,7 +38,7 @@ def test_training_reduces_held_out_loss(data_dir, tmp_path):
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [5, 10, 15, 20, 25, 30]
     assert train_rows[-1]["train/loss"] < train_rows[0]["train/loss"]
-    want_flops = metrics_lib.train_flops_per_token(step_lib.apply_precision(cfg.model, "fp32"), 128)
+    want_flops = metrics_lib.train_flops_per_token(apply_precision(cfg.model, "fp32"), 128)
     for r in train_rows:
         assert r["train/flops_per_token"] == want_flops
         assert r["train/tokens_per_s"] > 0 and r["train/step_time_s"] > 0

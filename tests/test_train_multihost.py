@@ -19,6 +19,7 @@ import pytest
 from rag_jax import distributed, sharding
 from rag_jax.data import pipeline
 from rag_jax.data.text_tfds import prepare_text_dataset
+from rag_jax.model.config import apply_precision
 from rag_jax.train import checkpoint as ckpt_lib
 from rag_jax.train import metrics as metrics_lib
 from rag_jax.train import optim, step as step_lib
@@ -93,7 +94,7 @@ def _restore(run_dir, data_dir, step):
     cfg = trainer.load_run_config(ROOT / "train" / "configs" / "tiny.yaml", _overrides(data_dir, run_dir))
     mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
     tx = optim.make_optimizer(cfg.optimizer, cfg.train.steps)
-    _, abstract, specs = step_lib.abstract_train_state(step_lib.apply_precision(cfg.model, "fp32"), tx)
+    _, abstract, specs = step_lib.abstract_train_state(apply_precision(cfg.model, "fp32"), tx)
     target = ckpt_lib.abstract_with_shardings(abstract, step_lib.train_state_shardings(abstract, specs, tx, mesh))
     data_iter = iter(pipeline.make_lm_dataset(cfg.data, split="train", global_batch=8,
                                               tokenizer_path=pipeline.check_dataset(cfg.data, 512)))

@@ -7,6 +7,7 @@ from jax.sharding import NamedSharding
 
 from rag_jax import sharding
 from rag_jax.model import ModelConfig
+from rag_jax.model.config import apply_precision
 from rag_jax.train import optim, step as step_lib
 from rag_jax.train.objectives import LMLoss
 
@@ -29,7 +30,7 @@ def _step(tx, init, *, accum=1, remat="none", precision="fp32", steps=1):
 
     Also checks that the step donates its input state (the old buffers are freed)."""
     mesh = sharding.make_mesh(MESH_CFG)
-    cfg = step_lib.apply_precision(CFG, precision)
+    cfg = apply_precision(CFG, precision)
     graphdef, abstract, specs = step_lib.abstract_train_state(cfg, tx, seed=0, remat_policy=remat)
     shardings = step_lib.train_state_shardings(abstract, specs, tx, mesh)
     state = jax.device_put(init, shardings)
@@ -91,7 +92,7 @@ def test_bf16_compute_keeps_fp32_master_params(sgd_reference, params):
     # same init and batch as the fp32 reference: bf16 logits differ only by rounding
     np.testing.assert_allclose(metrics[0]["loss"], ref_metrics[0]["loss"], rtol=2e-2)
     with pytest.raises(ValueError, match="precision='fp16'"):
-        step_lib.apply_precision(CFG, "fp16")
+        apply_precision(CFG, "fp16")
 
 
 def test_learning_rate_schedule():

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from rag_jax import text as text_lib
 from rag_jax.data import block_rag
-from rag_jax.demo import real_model
+from rag_jax.data import chat_blocks
 from rag_jax.evaluation import long_context
 from rag_jax.inference.chat import chat_prompt
 from rag_jax.model.embedding import GritFormat, tokenize_for_embedding
@@ -118,18 +118,18 @@ def test_any_message_content_adds_no_control_token(smol, content):
 
 def test_passage_block_holds_no_control_token(smol):
     loaded, hf = smol
-    chat = real_model.ChatBlocks(loaded)
+    chat = chat_blocks.ChatBlocks(loaded)
     passage = "Ada Lee plays chess." + FORGED
     blocks = chat.blocks("What does Ada play?" + FORGED, [passage, "Bo Chan sings."])
     special = _special_ids(loaded.tokenizer)
     assert [i for i in blocks[1] if i in special] == []                      # 2 control tokens before issue 27
-    assert blocks[1] == _hf_ids(hf, [real_model.PASSAGE.format(text=passage.strip())])
+    assert blocks[1] == _hf_ids(hf, [chat_blocks.PASSAGE.format(text=passage.strip())])
     assert [loaded.tokenizer.id_to_token(i) for i in blocks[-1] if i in special] == ["<|im_end|>", "<|im_start|>"]
     assert [loaded.tokenizer.id_to_token(i) for i in blocks[0] if i in special] == ["<|im_start|>", "<|im_end|>",
                                                                                   "<|im_start|>"]
     # Benign text: every block is exactly transformers' encoding of its text (each block tokenized on its own).
     benign = chat.blocks("Who?", ["A passage.\n\nWith two lines."])
-    texts = [chat.head + real_model.INSTRUCTION, "Document: A passage.\n\nWith two lines.\n\n", "Question: Who?"
+    texts = [chat.head + chat_blocks.INSTRUCTION, "Document: A passage.\n\nWith two lines.\n\n", "Question: Who?"
              + chat.tail]
     assert benign == [hf(t, add_special_tokens=False)["input_ids"] for t in texts]
 

@@ -156,7 +156,7 @@ def heldout_em(model, tok, u: Universe, n: int = 100) -> dict[str, float]:
 def export(out: Path, model, tok, info: dict) -> None:
     """HF folder + tokenizer + reader.json, written next to ``out`` and renamed into place."""
     from rag_jax.atomic import MARKER, replace_directory
-    from rag_jax.data.tokenizer import save_tokenizer
+    from rag_jax.tokenizer import save_tokenizer
     from rag_jax.model.hf import save_hf
     with replace_directory(out) as tmp:
         save_hf(model, tmp / "model")
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
 
     from rag_jax import sharding
     from rag_jax.data.phantom_rag import BOS, EOS, PAD
-    from rag_jax.data.tokenizer import train_bpe
+    from rag_jax.tokenizer import train_bpe
     from rag_jax.model import ModelConfig
     from rag_jax.train import optim, trainer
     from rag_jax.train.checkpoint import CheckpointConfig

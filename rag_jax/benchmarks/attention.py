@@ -34,7 +34,17 @@ import subprocess
 import sys
 import tempfile
 
+import jax
+
 from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source, names
+from rag_jax.evaluation.timing import clock_fn, cpu_threads, median_ms
+from rag_jax.model import ModelConfig, Transformer
+from rag_jax.model.attention import attend
+from rag_jax.model.config import ATTENTION_IMPLS
+from rag_jax.model.gguf import convert_gguf
+from rag_jax.model.hf import config_from_hf, load_hf
+from rag_jax.model.load import resolve_model
+from rag_jax.model.masks import MaskSpec
 
 TOY = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2)
 
@@ -52,14 +62,11 @@ def _peak_mb() -> float:
 
 
 def _time(fn, repeats: int, warmup: bool, clock) -> float:
-    from rag_jax.evaluation.timing import median_ms
     return median_ms(fn, repeats, warmup=int(warmup), clock=clock) / 1e3
 
 
 def _head_dims(args) -> tuple[int, int, int]:
     """(num_heads, num_kv_heads, head_dim) of the toy config or of ``--hf_dir``'s config.json."""
-    from rag_jax.model import ModelConfig
-    from rag_jax.model.hf import config_from_hf
     if args.toy:
         cfg = ModelConfig(**TOY)
     else:
@@ -83,11 +90,8 @@ def kernel_run(impl: str, length: int, args):
         def run():
             return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
         return run
-    import jax
     import jax.numpy as jnp
 
-    from rag_jax.model.attention import attend
-    from rag_jax.model.masks import MaskSpec
     seg = jnp.ones((1, length), jnp.int32)
     fn = jax.jit(lambda q, k, v, seg: attend(q, k, v, MaskSpec.create("causal", seg, seg), impl=impl))
     arrays = [jnp.asarray(x) for x in (q, k, v)] + [seg]
@@ -99,8 +103,8 @@ def worker(impl: str, length: int, args) -> dict:
     """One measurement in this process: ``impl`` in ATTENTION_IMPLS or ``hf``."""
     import numpy as np
     tokens = np.random.default_rng(args.seed).integers(1, 4000, (1, length))
-    os.environ["JAX_PLATFORMS"] = args.platform  # e.g. no TPU runtime probe (and its memory) on a CPU bench
-    from rag_jax.evaluation.timing import clock_fn, cpu_threads
+    # e.g. no TPU runtime probe (and its memory) on a CPU bench; the config, not JAX_PLATFORMS: jax is imported
+    jax.config.update("jax_platforms", args.platform)
     cpu_threads(args.threads)  # read when the XLA backend starts, not at import
     if impl == "hf" and args.threads:
         import torch
@@ -120,16 +124,13 @@ def worker(impl: str, length: int, args) -> dict:
         def run():
             return model(ids, use_cache=False, logits_to_keep=1).logits
     else:
-        import jax
         import jax.numpy as jnp
         from flax import nnx
 
-        from rag_jax.model import ModelConfig, Transformer
         if args.toy:
             cfg = ModelConfig(**TOY, max_seq_len=length, attention_impl=impl)
             model = Transformer(cfg, rngs=nnx.Rngs(args.seed))
         else:
-            from rag_jax.model.hf import load_hf
             cfg, model, _ = load_hf(args.hf_dir, dtype="float32")
             model.config = cfg.replace(attention_impl=impl, max_seq_len=max(cfg.max_seq_len, length))
         graphdef, state = nnx.split(model)
@@ -190,7 +191,6 @@ def main(argv=None) -> int:
         print(json.dumps(worker(impl, int(length), args)), flush=True)
         return 0
     # Checked here, not at parse time: the workers must not import JAX or resolve models before measuring memory.
-    from rag_jax.model.config import ATTENTION_IMPLS
     args.impls = p.check("--impls", names(ATTENTION_IMPLS), args.impls)
     if not args.toy:
         p.check("--model", model_source, args.model)
@@ -199,8 +199,6 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         forwarded = list(argv if argv is not None else sys.argv[1:])
         if not args.toy:
-            from rag_jax.model.gguf import convert_gguf
-            from rag_jax.model.load import resolve_model
             path = resolve_model(args.model)
             forwarded += ["--hf_dir", str(convert_gguf(path, f"{tmp}/hf") if path.suffix == ".gguf" else path)]
         _run(args, forwarded)

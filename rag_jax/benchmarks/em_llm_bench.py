@@ -32,13 +32,16 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from rag_jax.evaluation import long_context
 from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source
+from rag_jax.evaluation.passkey import method_config
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer, cpu_threads, median_ms, times_ms
 from rag_jax.memory import EMLLM, EMLLMConfig, EventIndex, modularity_scores
 from rag_jax.metrics import recall_at_k
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.config import PRESETS
+from rag_jax.model.load import load_model
 
 EM_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "em_llm_passkey.yaml"
 STREAM_METHODS = ("em_llm", "inf_llm", "sliding")
@@ -51,8 +54,6 @@ def peak_rss_mb() -> float:
 def _stream_inputs(args):
     """(model, base EMLLMConfig, tokens(length) -> int32 [length])."""
     if args.model:
-        from rag_jax.evaluation import long_context
-        from rag_jax.model.load import load_model
         loaded = load_model(args.model)
         sentences = long_context.filler_sentences("repeat")
 
@@ -89,8 +90,6 @@ def _full_prefill(model, length: int):
 
 
 def stream_table(args) -> None:
-    from rag_jax.evaluation.passkey import method_config
-
     model, base, make_tokens = _stream_inputs(args)
     runs = {}    # (method, length) -> (run(), EMLLM or None)
     for length in args.full_lengths:

@@ -29,7 +29,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from rag_jax.data.tokenizer import train_bpe
 from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source, names
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import clock_fn, cpu_threads, median_ms
@@ -38,6 +37,8 @@ from rag_jax.inference.kv_store import KVStore
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.config import PRESETS, SUPPORTED_DTYPES
 from rag_jax.model.embedding import GritFormat
+from rag_jax.model.load import load_model
+from rag_jax.tokenizer import train_bpe
 
 MODES = ("rag_doc_first", "doc", "doc_query", "rag_query_first", "query", "query_doc")
 BASELINE = {"doc": "rag_doc_first", "doc_query": "rag_doc_first", "query": "rag_query_first",
@@ -88,7 +89,6 @@ def main(argv=None) -> int:
     # Longest prompt: a long text, a short one, the instruction prompts (< 64 tokens), the answer.
     need = max(sizes) + 2 * args.short_len + args.new_tokens + 64
     if args.model:
-        from rag_jax.model.load import load_model
         loaded = load_model(args.model, dtype=args.dtype)
         model, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.config
         if tokenizer is None:

@@ -36,6 +36,7 @@ from rag_jax.evaluation.args import ScriptParser, integer, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer, median_ms
 from rag_jax.metrics import recall_at_k
+from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
 from rag_jax.retrieval.exact import ExactIndex
 from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
 
@@ -61,7 +62,6 @@ def clustered(n: int, num_queries: int, dim: int, clusters: int, std: float, see
 
 def minilm_nq(num_queries: int):
     """-> (passage embeddings [2655, 384], question embeddings [num_queries, 384]) with BertEmbedder."""
-    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
     examples = load_nq_oracle(shared_file(*NQ_ORACLE))
     emb = BertEmbedder()
     db = embed_texts(emb, [f"{ex.gold.title}\n{ex.gold.text}" for ex in examples], desc="passages")
@@ -100,11 +100,6 @@ def example_scann(db, k):
     return searcher, f"tree_ah, leaves {num_leaves}/{leaves}, reorder 100"
 
 
-def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
-    """recall@k of ``found`` against the exact neighbours ``truth`` [q, k] (``rag_jax.metrics.recall_at_k``)."""
-    return recall_at_k(found, truth, truth.shape[1])
-
-
 def exact_jax_row(db, ids, queries, truth, args, block: int = 100) -> dict:
     """``ExactIndex``, ``block`` queries per call like ``exact_numpy`` (1000 x 1M scores would take 4 GB)."""
     timer = StageTimer()
@@ -117,7 +112,8 @@ def exact_jax_row(db, ids, queries, truth, args, block: int = 100) -> dict:
         return np.concatenate([ex.search(queries[i:i + block], args.k)[1] for i in range(0, len(queries), block)])
     search()  # compile for these batch sizes
     found, t = timed(search, args.repeats)
-    return {"method": "exact jax", "build_s": timer.wall["build"], "search_s": t, "recall": recall_at(found, truth)}
+    return {"method": "exact jax", "build_s": timer.wall["build"], "search_s": t,
+            "recall": recall_at_k(found, truth, truth.shape[1])}
 
 
 def example_scann_row(db, queries, truth, args) -> dict:
@@ -127,7 +123,7 @@ def example_scann_row(db, queries, truth, args) -> dict:
     raw.search_batched_parallel(queries)
     found, t = timed(lambda: raw.search_batched_parallel(queries)[0], args.repeats)
     return {"method": "raw scann (example recipe)", "build_s": timer.wall["build"], "search_s": t,
-            "recall": recall_at(found.astype(np.int64), truth), "params": desc}
+            "recall": recall_at_k(found.astype(np.int64), truth, truth.shape[1]), "params": desc}
 
 
 def wrapper_row(label: str, cfg: ScannConfig, db, ids, queries, truth, args) -> dict:
@@ -156,7 +152,8 @@ def wrapper_row(label: str, cfg: ScannConfig, db, ids, queries, truth, args) -> 
     if ours.tuning is not None:
         desc += f"; sample recall {ours.tuning['recall']:.4f}"
     return {"method": f"ScannIndex ({label})", "build_s": timer.wall["build"], "search_s": t_ours,
-            "recall": recall_at(found, truth), "params": desc, "wrapper": float(np.median(direct_times)) / t_ours}
+            "recall": recall_at_k(found, truth, truth.shape[1]), "params": desc,
+            "wrapper": float(np.median(direct_times)) / t_ours}
 
 
 def bench(name: str, db: np.ndarray, queries: np.ndarray, args) -> list[dict]:

@@ -22,7 +22,7 @@ from rag_jax.evaluation.args import ScriptParser, integer, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.model import ModelConfig
-from rag_jax.model.config import PRESETS
+from rag_jax.model.config import PRECISIONS, PRESETS, apply_precision
 from rag_jax.model.transformer import REMAT_POLICIES
 from rag_jax.train import metrics as metrics_lib
 from rag_jax.train import optim, step as step_lib
@@ -69,14 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--seq", type=integer(1), default=512)
     p.add_argument("--batch", type=integer(1), default=8, help="global batch (rows)")
-    p.add_argument("--precision", default="fp32", choices=step_lib.PRECISIONS)
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--remat", nargs="+", default=["none", "full"], choices=REMAT_POLICIES, help="policies to compare")
     p.add_argument("--steps", type=integer(1), default=5, help="timed steps (median reported)")
     p.add_argument("--warmup", type=integer(0), default=2, help="untimed steps (the first compiles)")
     p.add_argument("--peak_flops", type=real(0, lo_open=True), default=None, help="peak FLOP/s per device for MFU")
     args = p.parse_args(argv)
 
-    cfg = step_lib.apply_precision(ModelConfig.preset(args.preset, max_seq_len=max(args.seq, 2048)), args.precision)
+    cfg = apply_precision(ModelConfig.preset(args.preset, max_seq_len=max(args.seq, 2048)), args.precision)
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=-1, tensor=1))
     device = jax.devices()[0]
     peak = metrics_lib.peak_flops_per_device(device, args.peak_flops)

@@ -45,6 +45,8 @@ from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.kv_store import KVStore
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.config import PRESETS
+from rag_jax.model.hf import save_hf
+from rag_jax.model.load import load_model
 from rag_jax.train.metrics import matmul_params
 
 
@@ -67,7 +69,6 @@ def hf_model(model: Transformer):
     import torch
     from transformers import LlamaForCausalLM
 
-    from rag_jax.model.hf import save_hf
     with tempfile.TemporaryDirectory() as tmp:
         save_hf(model, Path(tmp) / "ckpt")
         hf = LlamaForCausalLM.from_pretrained(Path(tmp) / "ckpt", torch_dtype=torch.float32,
@@ -127,7 +128,6 @@ def main(argv=None) -> int:
         p.error(f"argument --sizes: every size must exceed --last_len={args.last_len}; got {sizes}")
     dims = dict(dtype=args.dtype, param_dtype=args.dtype, max_seq_len=max(sizes))
     if args.model:
-        from rag_jax.model.load import load_model
         model = load_model(args.model, dtype=args.dtype).model
         cfg = model.config
         if max(sizes) > cfg.max_seq_len:

@@ -25,8 +25,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rag_jax.data.block_rag import BlockExample, build_rag_example, collate, encode
+from rag_jax.data.grit import GritDataConfig, embedding_dataset
+from rag_jax.data.loaders import load_phantomwiki
+from rag_jax.data.phantom import generate_universe
+from rag_jax.model.embedding import GritFormat
+from rag_jax.text import Markup
+from rag_jax.tokenizer import BOS, EOS
+
 QUESTION_FORMAT = "Question: {question}\nAnswer:"
-EOS, BOS, PAD = "<eos>", "<bos>", "<pad>"
+GRIT_INSTRUCTION = "Find the article that answers the question"  # GRIT query instruction (documents: none)
 ATTRIBUTE_PREDICATES = ("dob", "job", "hobby", "gender")
 QUESTION_KINDS = ("auto", "attribute", "evidence", "all")
 
@@ -196,7 +204,6 @@ def prepare_data(universe: UniverseConfig, task: TaskConfig, data_path: str | os
         of the selected kind for training and evaluation.
     """
     if data_path is None:
-        from rag_jax.data.phantom import generate_universe
         u = universe
         kind = "attribute" if task.questions == "auto" else task.questions
         common = dict(max_hops=u.max_hops, friend_degree=u.friend_degree, max_family_size=u.max_family_size)
@@ -209,7 +216,6 @@ def prepare_data(universe: UniverseConfig, task: TaskConfig, data_path: str | os
                   f"held-out seed {u.seed + 1} ({u.heldout_people} people)")
         counts = (len(train_u.articles), len(eval_u.articles))
     else:
-        from rag_jax.data.loaders import load_phantomwiki
         kind = "evidence" if task.questions == "auto" else task.questions
         data = load_phantomwiki(data_path)
         articles, questions = as_dicts(data.articles, data.questions)
@@ -231,7 +237,6 @@ def prepare_data(universe: UniverseConfig, task: TaskConfig, data_path: str | os
 
 def grit_format():
     """GRIT prompt strings with this project's BPE special tokens (``<bos>``/``<eos>``)."""
-    from rag_jax.model.embedding import GritFormat
     return GritFormat(bos=BOS, eos=EOS)
 
 
@@ -250,7 +255,6 @@ def question_block(question: str) -> str:
 def rag_example(tokenizer, question: str, passages: Sequence[str], answer: str | None = None):
     """A ``BlockExample``: one block per passage, the question block last, response ``" " + answer + <eos>``
     (``rag_jax.data.block_rag.build_rag_example`` with the demo's minimal template; no system block)."""
-    from rag_jax.data.block_rag import build_rag_example
     return build_rag_example(tokenizer, question, [{"title": "", "text": p} for p in passages],
                              response=" " + answer if answer else "", system="", passage_format="{text}",
                              last_format=QUESTION_FORMAT, response_suffix=EOS)
@@ -278,7 +282,6 @@ def weighted_rag_batch(rows, seq_len: int, *, answer_weight: float = 1.0, passag
     """Collate ``(BlockExample, answer spans of its last block)`` rows (``block_rag.collate``) with a per-token
     ``loss_mask``: ``answer_weight`` on the response and the earlier answers, ``passage_weight`` on passage
     tokens (next-token loss on the documents), 0 on the question tokens."""
-    from rag_jax.data.block_rag import collate
     batch = collate([ex for ex, _ in rows], seq_len)
     for r, (ex, spans) in enumerate(rows):
         start = sum(len(b) for b in ex.blocks[:-1])
@@ -347,10 +350,6 @@ class RagTrainingSet:
 
     def __init__(self, data: RagData, tokenizer, fmt, train, num_passages: int):
         import grain
-
-        from rag_jax.data.block_rag import BlockExample, encode
-        from rag_jax.data.grit import GritDataConfig, embedding_dataset
-        from rag_jax.text import Markup
 
         tc, k = train, num_passages
         texts = [p["text"] for p in data.train_passages]

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from rag_jax.data import text_tfds
-from rag_jax.data.tokenizer import load_tokenizer
+from rag_jax.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ by ``rag_jax.data.phantom_tfds`` into ``<data_dir>/phantom_wiki/<config>/1.0.0``
 The builder stores every article in ``train``; the LM held-out split is made here by record index:
 every ``VALIDATION_EVERY``-th record is ``validation``, the rest ``train``, so held-out loss is measured
 on articles never trained on. ``prepare_text_dataset`` also trains the byte-level BPE tokenizer on the
-train records (``rag_jax.data.tokenizer.train_bpe``), written atomically next to the dataset.
+train records (``rag_jax.tokenizer.train_bpe``), written atomically next to the dataset.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from rag_jax.data import phantom_tfds
-from rag_jax.data.tokenizer import load_tokenizer, train_bpe
+from rag_jax.tokenizer import load_tokenizer, train_bpe
 
 VALIDATION_EVERY = 10
 TEXT_FIELD = "article"

@@ -11,7 +11,7 @@ This module is orchestration and the report; every stage is a component of the l
    trains a BPE tokenizer and a random ``model`` from scratch (the GPU config does).
 3. **Training** with the one trainer (``rag_jax.train.trainer.run``) on the GRIT + Block-Attention objective
    (``rag_jax.train.objectives.grit_block``: GritLM Eq. 3 with the Block-Attention loss as ``L_Gen``) over
-   ``RagTrainingSet`` batches; the output folder is a run folder (``rag_jax.train.run_folder``).
+   ``RagTrainingSet`` batches; the output folder is a run folder (``rag_jax.model.run_folder``).
 4. **Retrieval** (``rag_jax.evaluation.rag.retrieval_eval``): held-out passages embedded with pretrained
    MiniLM and with the trained model in GRIT embedding mode, each into a ScaNN index, and a BM25 index
    (``bm25_eval``); recall@k / hit@k. ``retrieval.retriever`` picks the one that feeds the answers.
@@ -34,12 +34,29 @@ import dataclasses
 import os
 from pathlib import Path
 
-from rag_jax import config as config_lib
-from rag_jax.data.phantom_rag import BOS, EOS, PAD, answer_text, question_block, rag_example
+from rag_jax import config as config_lib, sharding
+from rag_jax.data.phantom_rag import (BOS, EOS, PAD, RagTrainingSet, answer_text, grit_format, prepare_data,
+                                      question_block, rag_example)
 from rag_jax.demo.config import (DEFAULT_BASE, DEMO_MODEL, DEMO_OPTIMIZER, DemoConfig, TokenizerConfig,
                                  load_demo_config, resolve_base)
+from rag_jax.demo.real_model import run_real
 from rag_jax.demo.report import check_output_dir, plots, write_report
+from rag_jax.evaluation.rag import (bm25_eval, generate_answers, mean_scores, per_question, prompt_passages,
+                                    retrieval_eval, score_answer, ttft_curve)
+from rag_jax.evaluation.timing import StageTimer
+from rag_jax.inference.block_attention import BlockAttention
+from rag_jax.inference.kv_store import KVStore
+from rag_jax.model import count_params
 from rag_jax.model.config import ModelConfig
+from rag_jax.model.embedding import GritEmbedder
+from rag_jax.model.hf import load_hf
+from rag_jax.retrieval.embedders import BertEmbedder, embed_texts, minilm_dir
+from rag_jax.tokenizer import load_tokenizer, train_bpe
+from rag_jax.train import trainer
+from rag_jax.train.checkpoint import CheckpointConfig
+from rag_jax.train.objectives.block import BlockLoss
+from rag_jax.train.objectives.grit import GritConfig, GritLoss
+from rag_jax.train.objectives.grit_block import GritBlockLoss
 
 __all__ = ["DemoConfig", "load_demo_config", "resolve_base", "run", "run_cli", "DEFAULT_BASE", "DEMO_MODEL",
            "DEMO_OPTIMIZER"]
@@ -48,7 +65,6 @@ __all__ = ["DemoConfig", "load_demo_config", "resolve_base", "run", "run_cli", "
 def _mesh(cfg: DemoConfig):
     import jax
 
-    from rag_jax import sharding
     devices = jax.devices()
     n = cfg.train.devices or (1 if devices[0].platform == "cpu" else len(devices))
     if n > len(devices):
@@ -59,7 +75,6 @@ def _mesh(cfg: DemoConfig):
 def _base_model(cfg: DemoConfig, base_dir: Path | None, data, fmt):
     """``(tokenizer, model config, initial params or None)`` (module docstring, stage 2)."""
     if base_dir is None:
-        from rag_jax.data.tokenizer import train_bpe
         # The prompt and GRIT format strings are in every input: let BPE learn them as a few tokens.
         texts = ([p["text"] for p in data.train_passages] + [q["question"] for q in data.train_questions]
                  + [question_block("") + " " + answer_text(q["answer"]) for q in data.train_questions]
@@ -69,8 +84,6 @@ def _base_model(cfg: DemoConfig, base_dir: Path | None, data, fmt):
         return tokenizer, cfg.model.replace(vocab_size=vocab), None
     from flax import nnx
 
-    from rag_jax.data.tokenizer import load_tokenizer
-    from rag_jax.model.hf import load_hf
     tokenizer = load_tokenizer(base_dir / "tokenizer.json")
     missing = [t for t in (PAD, BOS, EOS) if tokenizer.token_to_id(t) is None]
     if missing:
@@ -82,13 +95,6 @@ def _base_model(cfg: DemoConfig, base_dir: Path | None, data, fmt):
 
 def _train(cfg: DemoConfig, model_cfg: ModelConfig, td, tokenizer, mesh, out: Path, progress: bool, init_params):
     """Stage 3 through the one trainer; the output folder is the run folder."""
-    from rag_jax import sharding
-    from rag_jax.train import trainer
-    from rag_jax.train.checkpoint import CheckpointConfig
-    from rag_jax.train.objectives.block import BlockLoss
-    from rag_jax.train.objectives.grit import GritConfig, GritLoss
-    from rag_jax.train.objectives.grit_block import GritBlockLoss
-
     tc = cfg.train
     for name, size in (("rag_batch_size", tc.rag_batch_size), ("embedding_batch_size", tc.embedding_batch_size)):
         try:
@@ -119,10 +125,6 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
       ``data_path``, too few questions, or a missing MiniLM package while ``retrieval.retriever=minilm``.
       All are raised before any training.
     """
-    from rag_jax.data.phantom_rag import RagTrainingSet, grit_format, prepare_data
-    from rag_jax.evaluation.timing import StageTimer
-    from rag_jax.retrieval.embedders import minilm_dir
-
     timer = StageTimer()
     out = check_output_dir(out_dir)
     base_dir = resolve_base(cfg.base) if cfg.base is not None else None
@@ -139,8 +141,6 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
     timer.stage("data")
 
     import jax
-
-    from rag_jax.model import count_params
 
     fmt = grit_format()
     log(f"[2/7] base model and tokenizer: {cfg.base} ({base_dir})" if base_dir else
@@ -175,7 +175,6 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
     timer.stage("answers")
 
     log("[6/7] TTFT: full prefill vs cached passages")
-    from rag_jax.evaluation.rag import ttft_curve
     docs = [p["text"] for p in data.eval_passages]
     order = [int(j) for j in ranked[cfg.retrieval.retriever][0] if j >= 0]
     order += [j for j in range(len(docs)) if j not in order]
@@ -209,10 +208,6 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
 
 def _retrieval(cfg: DemoConfig, data, model, tokenizer, td, fmt, have_minilm: bool, progress: bool):
     """Stage 4: ``({retriever: metrics}, {retriever: ranked passage indices [q, depth]})``."""
-    from rag_jax.evaluation.rag import bm25_eval, retrieval_eval
-    from rag_jax.model.embedding import GritEmbedder
-    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
-
     depth = max(max(cfg.retrieval.ks), cfg.task.num_passages + 1)
     docs = [p["text"] for p in data.eval_passages]
     queries = [q["question"] for q in data.eval_questions]
@@ -239,10 +234,6 @@ def _answers(cfg: DemoConfig, data, model, tokenizer, td, ranked, progress: bool
     import time
 
     from rag_jax.progress import progress_bar
-
-    from rag_jax.evaluation.rag import generate_answers, mean_scores, per_question, prompt_passages, score_answer
-    from rag_jax.inference.block_attention import BlockAttention
-    from rag_jax.inference.kv_store import KVStore
 
     k = cfg.task.num_passages
     docs = [p["text"] for p in data.eval_passages]
@@ -277,7 +268,6 @@ def run_cli(args) -> int:
     model = getattr(args, "model", None)
     cfg = load_demo_config(args.config, args.overrides, real_model=model is not None)
     if model is not None:
-        from rag_jax.demo.real_model import run_real
         run_real(cfg, model, data_path=args.data, out_dir=args.out or "runs/demo_real", progress=not args.no_progress)
         return 0
     run(cfg, data_path=args.data, out_dir=args.out or "runs/demo", progress=not args.no_progress)

@@ -10,16 +10,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rag_jax import config as config_lib
-from rag_jax.data.phantom_rag import TaskConfig, UniverseConfig
-from rag_jax.evaluation.rag import PASSAGE_ORDERS
+from rag_jax.data.phantom_rag import GRIT_INSTRUCTION, TaskConfig, UniverseConfig
+from rag_jax.evaluation.rag import PASSAGE_ORDERS, RetrievalConfig
 from rag_jax.model.config import ModelConfig
-from rag_jax.retrieval.scann_index import ScannConfig
 from rag_jax.sharding import MeshConfig
 from rag_jax.train.optim import OptimizerConfig
 
 DEFAULT_BASE = "demo_reader"
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-RETRIEVERS = ("grit", "minilm", "bm25")
 
 # Defaults of the sections whose dataclass defaults are not the demo's (a YAML/override that sets one
 # field of these sections keeps the other demo defaults; ``model.preset`` replaces the model defaults).
@@ -57,7 +55,7 @@ class DemoTrainConfig:
       gen_weight: λ_Gen of GRIT Eq. 3 (weight of the Block-Attention loss against L_Rep).
       grit_temperature: InfoNCE temperature (GritLM: 0.02; 0.05 trains more stably from scratch).
       grit_instruction: query instruction in GRIT embedding mode (documents get none).
-      precision: ``fp32`` | ``bf16`` | ``bf16_pure`` (``rag_jax.train.step.apply_precision``).
+      precision: ``fp32`` | ``bf16`` | ``bf16_pure`` (``rag_jax.model.config.apply_precision``).
       seed: init, data order and distractor sampling.
       devices: devices of the training mesh; 0 = 1 on CPU (fake CPU devices do not add compute),
         all devices on GPU/TPU.
@@ -77,7 +75,7 @@ class DemoTrainConfig:
     block_weight: float = 1.0
     gen_weight: float = 1.0
     grit_temperature: float = 0.05
-    grit_instruction: str = "Find the article that answers the question"
+    grit_instruction: str = GRIT_INSTRUCTION
     precision: str = "fp32"
     seed: int = 0
     devices: int = 0
@@ -93,26 +91,6 @@ class DemoTrainConfig:
         for name in ("lm_weight", "full_weight", "block_weight", "gen_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0")
-
-
-@dataclasses.dataclass(frozen=True)
-class RetrievalConfig:
-    """Attributes:
-      retriever: the index that feeds the answering prompts: ``grit`` (the trained model), ``minilm`` (dense,
-        pretrained) or ``bm25`` (lexical, ``rag_jax.retrieval.lexical``); all available ones are reported.
-      ks: cut-offs of the reported recall@k / hit@k.
-      scann: ScaNN index parameters (``auto`` picks brute force below 20K passages).
-    """
-
-    retriever: str = "minilm"
-    ks: tuple[int, ...] = (1, 2, 5, 10)
-    scann: ScannConfig = dataclasses.field(default_factory=ScannConfig)
-
-    def __post_init__(self):
-        if self.retriever not in RETRIEVERS:
-            raise ValueError(f"retrieval.retriever={self.retriever!r}; valid: {RETRIEVERS}")
-        if not self.ks or min(self.ks) < 1:
-            raise ValueError(f"retrieval.ks={self.ks!r} must be a non-empty list of ints >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,48 +39,26 @@ import time
 from collections.abc import Sequence
 
 from rag_jax import config as config_lib
+from rag_jax.data.chat_blocks import ChatBlocks, PASSAGE
+from rag_jax.data.phantom_rag import prepare_data
 from rag_jax.demo.config import DemoConfig
+from rag_jax.demo.report import check_output_dir, plots, write_report
+from rag_jax.evaluation.rag import (bm25_eval, generate_answers, mean_scores, per_question, prompt_passages,
+                                    retrieval_eval, score_answer, ttft_curve)
+from rag_jax.evaluation.timing import StageTimer
+from rag_jax.inference.block_attention import BlockAttention
+from rag_jax.inference.kv_store import KVStore
+from rag_jax.metrics import best_subspan_em
+from rag_jax.model import count_params
+from rag_jax.model.load import load_model
+from rag_jax.progress import progress_bar
+from rag_jax.retrieval.embedders import BertEmbedder, embed_texts, minilm_dir
 
-INSTRUCTION = "Answer the question using the documents below. Reply with the answer only.\n\n"
-PASSAGE = "Document: {text}\n\n"
-QUESTION = "Question: {question}"
 RETRIEVERS = ("minilm", "bm25")  # no trained GRIT embedder on this track
-
-
-class ChatBlocks:
-    """Chat-template prompt blocks for one loaded model (module docstring).
-
-    Args:
-      loaded: a ``rag_jax.model.load.LoadedModel`` with a tokenizer and a chat template.
-
-    Raises:
-      ValueError: the model has no tokenizer or no chat template, or the template drops the message.
-    """
-
-    def __init__(self, loaded):
-        from rag_jax.text import chat_pieces
-        if loaded.tokenizer is None or loaded.chat_template is None:
-            raise ValueError(f"model {loaded.source} needs a tokenizer and a chat template for the demo's "
-                             "real-model track")
-        try:
-            self.head, _, self.tail = chat_pieces(loaded.chat_template, [{"role": "user", "content": "x"}],
-                                                  **loaded.special_tokens)
-        except ValueError as e:
-            raise ValueError(f"chat template of {loaded.source}: {e}") from None
-        self.tokenizer = loaded.tokenizer
-
-    def blocks(self, question: str, passages: Sequence[str]) -> list[list[int]]:
-        """``[head + instruction, passage_1, ..., passage_k, question + template tail]`` as token ids; the
-        template's head and tail are markup, the instruction, passages and question content."""
-        from rag_jax.text import encode_content, encode_pieces
-        return [encode_pieces(self.tokenizer, [self.head, INSTRUCTION]).ids,
-                *[encode_content(self.tokenizer, PASSAGE.format(text=p.strip())) for p in passages],
-                encode_pieces(self.tokenizer, [QUESTION.format(question=question), self.tail]).ids]
 
 
 def answer_recall(prediction: str, golds: Sequence[str]) -> float:
     """Fraction of the gold answers that occur (SQuAD-normalized) in ``prediction``."""
-    from rag_jax.metrics import best_subspan_em
     return sum(best_subspan_em(prediction, g) for g in golds) / len(golds)
 
 
@@ -93,13 +71,6 @@ def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike |
       ``data_path`` is missing. ValueError: malformed data, too few questions, a model without chat
       template, ``retrieval.retriever=grit`` (no trained model here). All before any generation.
     """
-    from rag_jax.data.phantom_rag import prepare_data
-    from rag_jax.demo.report import check_output_dir, plots, write_report
-    from rag_jax.evaluation.rag import bm25_eval, retrieval_eval, ttft_curve
-    from rag_jax.evaluation.timing import StageTimer
-    from rag_jax.model import count_params
-    from rag_jax.model.load import load_model
-    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts, minilm_dir
 
     if cfg.retrieval.retriever not in RETRIEVERS:
         raise ValueError(f"retrieval.retriever={cfg.retrieval.retriever!r}: the real-model track has no trained "
@@ -167,11 +138,7 @@ def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike |
 
 def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: bool):
     """The ``qa`` report section (as the default demo's ``_answers``) and the ``BlockAttention``."""
-    from rag_jax.progress import progress_bar
 
-    from rag_jax.evaluation.rag import generate_answers, mean_scores, per_question, prompt_passages, score_answer
-    from rag_jax.inference.block_attention import BlockAttention
-    from rag_jax.inference.kv_store import KVStore
 
     k = cfg.task.num_passages
     docs = [p["text"] for p in data.eval_passages]

@@ -5,33 +5,10 @@ import os
 import tempfile
 from pathlib import Path
 
+from rag_jax.atomic import write_text
 from rag_jax.data.phantom_rag import answer_text
+from rag_jax.evaluation.plots import line_plot
 from rag_jax.evaluation.tables import table
-
-
-def line_plot(path: Path, series: list[tuple[list, list, str]], *, xlabel: str, ylabel: str, title: str,
-              style: str = "-", size=(7, 4), ylim: tuple[float, float] | None = None, logx: bool = False) -> str:
-    """Write a PNG of ``(x, y, label)`` lines to ``path`` (``logx``: base-2 log x axis, ticks at the data);
-    returns the path (no pyplot: no global backend state, works in notebooks and threads)."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=size)
-    ax = fig.add_subplot()
-    for x, y, label in series:
-        ax.plot(x, y, style, label=label)
-    if logx:
-        ticks = sorted({v for x, _, _ in series for v in x})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [f"{v:,}" for v in ticks])
-    if ylim is not None:
-        ax.set_ylim(*ylim)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return str(path)
 
 
 def plots(history: list[dict], ttft: list[dict], out: Path) -> dict[str, str]:
@@ -137,7 +114,6 @@ def write_report(report: dict, timer, out: Path, log) -> dict:
     ``out/metrics.json`` atomically and log the printed summary; returns ``report``."""
     import json
 
-    from rag_jax.atomic import write_text
     timer.stage("report")
     report.update(timings=timer.wall, cpu_timings=timer.cpu)
     report["total_seconds"], report["cpu_seconds"] = timer.total()

@@ -24,6 +24,8 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from rag_jax.model.load import resolve_model
+
 
 class ScriptParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` with one-line errors: ``PROG: error: MESSAGE`` on stderr, exit status 2."""
@@ -152,7 +154,6 @@ def output_file(text: str) -> Path:
 
 def model_source(text: str) -> str:
     """Type: an embedded model name, a .gguf file, an HF folder or a run folder (resolved, not loaded)."""
-    from rag_jax.model.load import resolve_model
     try:
         resolve_model(text)
     except FileNotFoundError as e:

@@ -28,9 +28,23 @@ from pathlib import Path
 
 import numpy as np
 
+from rag_jax.atomic import write_text
+from rag_jax.data.chat_blocks import ChatBlocks
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
 from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, names, output_file, real
+from rag_jax.evaluation.block_nq import heldout_split, mine_negatives, training_examples
+from rag_jax.evaluation.rag import generate_answers, score_answer
+from rag_jax.evaluation.stats import mcnemar, paired_difference
 from rag_jax.evaluation.tables import table
+from rag_jax.inference.block_attention import BlockAttention
+from rag_jax.inference.block_prefix import block_logprobs
+from rag_jax.model.load import load_model
+from rag_jax.progress import progress_bar
+from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+from rag_jax.retrieval.exact import ExactIndex
+from rag_jax.train.block_distill import (DistillConfig, DistillFeatures, answer_loglik, answer_logprobs, distill,
+                                         export_hf, target_positions)
+from rag_jax.train.frozen_bottom import split_model
 
 
 PREFIXES = ("sink", "system")
@@ -40,14 +54,12 @@ def build_rows(chat, eos_id: int, examples, texts, gold_ids, questions, negative
     """One ``BlockExample`` per question: its chat blocks with the gold passage at a seeded random position among
     all its ``negatives``, response = first gold answer + ``eos_id`` (``block_nq.training_examples`` with no
     length limit)."""
-    from rag_jax.evaluation.block_nq import training_examples
 
     rows, _ = training_examples(chat, eos_id, examples, texts, gold_ids, questions, negatives, 1 << 30, seed)
     return rows
 
 
 def main(argv=None) -> int:
-    from rag_jax.train.block_distill import DistillConfig
 
     d = DistillConfig()
     p = ScriptParser(prog="rag-jax eval block_distill", description=__doc__)
@@ -84,15 +96,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     train_passages = args.train_passages or args.num_passages
 
-    from rag_jax.demo.real_model import ChatBlocks
-    from rag_jax.evaluation.block_nq import heldout_split, mine_negatives
-    from rag_jax.evaluation.stats import paired_difference
-    from rag_jax.model.load import load_model
-    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
-    from rag_jax.retrieval.exact import ExactIndex
-    from rag_jax.train.block_distill import (DistillFeatures, answer_loglik, answer_logprobs, distill, export_hf,
-                                             target_positions)
-    from rag_jax.train.frozen_bottom import split_model
 
     wall = time.perf_counter()
     examples = load_nq_oracle(args.data)
@@ -123,12 +126,9 @@ def main(argv=None) -> int:
     feats = features.compute(eval_rows, desc="features (held-out rows)")
     logp = {"full (base)": [f["logp_full"] for f in feats], "block (base)": [f["logp_block"] for f in feats]}
     for name in args.prefix:
-        from tqdm.auto import tqdm
-
-        from rag_jax.inference.block_prefix import block_logprobs
         logp[f"block + {name} prefix (base)"] = [
             block_logprobs(loaded.model, r, shared_prefix=1 if name == "sink" else len(r.blocks[0]))
-            for r in tqdm(eval_rows, desc=f"block + {name} prefix")]
+            for r in progress_bar(eval_rows, desc=f"block + {name} prefix")]
     models = {"base": loaded.model}
     info: dict = {}
     if args.steps:
@@ -180,7 +180,6 @@ def main(argv=None) -> int:
                               args)
     info["wall_seconds"] = time.perf_counter() - wall
     if args.out is not None:
-        from rag_jax.atomic import write_text
         write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **info,
                                          "results": results}, indent=1, default=float))
     return 0
@@ -190,9 +189,6 @@ def em_table(loaded, models: dict, examples, questions, rows, args) -> dict:
     """Greedy answers of each model in full and block attention to ``rows`` (their blocks), best-subspan EM per
     question, printed with the exact McNemar test against full attention of the base model; returns
     ``{condition: {"em", "only_this", "only_full_base", "p", "correct"}}``."""
-    from rag_jax.evaluation.rag import generate_answers, score_answer
-    from rag_jax.evaluation.stats import mcnemar
-    from rag_jax.inference.block_attention import BlockAttention
 
     prompts = [[list(b) for b in r.blocks] for r in rows]
     correct = {}

@@ -10,7 +10,7 @@ setting (Liu et al., TACL 2024):
 - contexts: each question's gold passage plus ``--num-passages - 1`` hard negatives, the passages of the pool
   of all gold passages (``nq_passage_pool``) nearest to the question under MiniLM (exact search), skipping its
   own gold passage and any passage that contains an answer; the gold passage is put at each of ``--positions``;
-- prompt: the model's chat template, one block per passage (``rag_jax.demo.real_model.ChatBlocks``);
+- prompt: the model's chat template, one block per passage (``rag_jax.data.chat_blocks.ChatBlocks``);
 - answers: greedy; score = best-subspan EM (an answer occurs in the reply, as Lost in the Middle);
 - fine-tuning (``--finetune-steps``, ``rag_jax.train.block_finetune``): training questions with the gold
   passage at a random position among their MiniLM hard negatives, as many as fit ``--train-seq-len`` tokens
@@ -54,10 +54,18 @@ from pathlib import Path
 
 import numpy as np
 
+from rag_jax.atomic import write_text
+from rag_jax.data.block_rag import BlockExample, encode
+from rag_jax.data.chat_blocks import ChatBlocks
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
-from rag_jax.evaluation.args import (ScriptParser, input_file, int_list, integer, model_source, names,
-                                     output_file, real)
+from rag_jax.evaluation.args import ScriptParser, input_file, int_list, integer, model_source, names, output_file, real
+from rag_jax.evaluation.rag import complete_replies, generate_answers, greedy_replies, memo_json, score_answer
 from rag_jax.evaluation.tables import table
+from rag_jax.inference.block_attention import BlockAttention
+from rag_jax.metrics import best_subspan_em
+from rag_jax.model.load import load_model
+from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+from rag_jax.retrieval.exact import ExactIndex
 from rag_jax.train.block_finetune import BlockFinetuneConfig, finetune
 
 
@@ -97,8 +105,6 @@ def place(negatives: Sequence[int], gold: int, position: int) -> list[int]:
 def mine_negatives(embedder, index, pool, examples, gold_ids, questions: Sequence[int], k: int) -> list[list[int]]:
     """Per question of ``questions``: its ``k`` MiniLM hard negatives from ``pool`` (``hard_negatives``), skipping
     passages that contain one of its answers."""
-    from rag_jax.metrics import best_subspan_em
-    from rag_jax.retrieval.embedders import embed_texts
 
     q_vecs = embed_texts(embedder, [examples[i].question for i in questions], desc="MiniLM questions")
     _, ranked = index.search(q_vecs, k + 41)
@@ -114,7 +120,6 @@ def training_examples(chat, eos_id: int, examples, texts, gold_ids, questions, n
     chat prompt blocks with the gold passage and as many of its ``negatives`` (in rank order) as fit, the gold at
     a seeded random position, and the response ``answers[0]`` + ``eos_id``. A question whose gold passage alone
     does not fit is dropped. Returns ``(examples, dropped count)``."""
-    from rag_jax.data.block_rag import BlockExample, encode
 
     rng = np.random.default_rng(seed)
     out, dropped = [], 0
@@ -140,8 +145,6 @@ def own_reply_examples(loaded, rows, args) -> list:
     these, block mode learns to answer as full attention does and full mode keeps its reply style (gold NQ
     answers are terser than this chat model's replies: trained on them, the model learned the format before
     the content). Replies are kept in ``args.targets_cache`` when set."""
-    from rag_jax.data.block_rag import BlockExample, encode
-    from rag_jax.evaluation.rag import complete_replies, greedy_replies, memo_json
 
     keys = [json.dumps([str(args.model), args.target_tokens, r.blocks]) for r in rows]
     replies = memo_json(args.targets_cache, keys, lambda todo: greedy_replies(
@@ -206,10 +209,6 @@ def main(argv=None) -> int:
                                         save_every=max(1, min(10, args.finetune_steps)))
                     if args.finetune_steps else None)
 
-    from rag_jax.demo.real_model import ChatBlocks
-    from rag_jax.model.load import load_model
-    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
-    from rag_jax.retrieval.exact import ExactIndex
 
     examples = load_nq_oracle(args.data)
     pool, gold_ids = nq_passage_pool(examples)
@@ -281,9 +280,6 @@ def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positi
     times split evenly over its positions, compilation included."""
     import jax
 
-    from rag_jax.demo.real_model import ChatBlocks
-    from rag_jax.evaluation.rag import generate_answers, score_answer
-    from rag_jax.inference.block_attention import BlockAttention
 
     results: dict[str, dict] = {}
     for name, loaded in models.items():
@@ -314,7 +310,6 @@ def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positi
                   f"{len(positions)} positions)", flush=True)
             jax.clear_caches()                    # compiled programs of this condition's shapes: memory
             if args.out is not None:
-                from rag_jax.atomic import write_text
                 write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                  "questions": len(heldout), **(info or {}), "results": results},
                                                 indent=1, default=float))

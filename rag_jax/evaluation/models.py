@@ -1,7 +1,7 @@
 """The one way evaluation scripts resolve ``--model PATH`` into a model (``rag_jax.model.load.load_model``):
 a run folder, an HF folder, a ``.gguf`` file or an embedded model name.
 
-- run folder (``rag-jax train`` / ``rag-jax demo`` output; ``rag_jax.train.run_folder``): the latest orbax
+- run folder (``rag-jax train`` / ``rag-jax demo`` output; ``rag_jax.model.run_folder``): the latest orbax
   step, its ``config.yaml`` and ``tokenizer.json``;
 - HF folder (``config.json`` + ``*.safetensors``, e.g. ``rag_jax.model.hf.save_hf`` output or a Llama / Qwen
   checkpoint): ``rag_jax.model.hf.load_hf``, with ``tokenizer.json`` when present.
@@ -10,61 +10,29 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any
 
-
-@dataclasses.dataclass
-class EvalModel:
-    """A model to evaluate.
-
-    Attributes:
-      path: where it was loaded from.
-      kind: ``"run"`` (run folder), ``"hf"`` (HF folder) or ``"gguf"``.
-      config: the run's resolved ``config.yaml`` as a dict (``{}`` for an HF folder); its ``model`` entry is
-        the ``ModelConfig``.
-      model_config: the ``ModelConfig``.
-      graphdef, params: the model split for ``BlockAttention`` / ``GritEmbedder`` / ``EMLLM``
-        (``(graphdef, params)``; :meth:`module` merges them).
-      tokenizer: a ``tokenizers.Tokenizer``; None for an HF folder without ``tokenizer.json``.
-    """
-
-    path: Path
-    kind: str
-    config: dict[str, Any]
-    model_config: Any
-    graphdef: Any
-    params: Any
-    tokenizer: Any
-
-    @property
-    def model(self) -> tuple[Any, Any]:
-        return self.graphdef, self.params
-
-    def module(self):
-        """The ``nnx`` module (``nnx.merge(graphdef, params)``)."""
-        from flax import nnx
-        return nnx.merge(self.graphdef, self.params)
+from rag_jax import config as config_lib
+from rag_jax.data.phantom_rag import GRIT_INSTRUCTION, TaskConfig, UniverseConfig
+from rag_jax.evaluation.rag import RetrievalConfig
+from rag_jax.model.load import LoadedModel, load_model
 
 
-def load_for_eval(path: str | os.PathLike) -> EvalModel:
+def load_for_eval(path: str | os.PathLike) -> LoadedModel:
     """Load ``--model`` (``rag_jax.model.load.load_model``: a run folder, an HF folder, a ``.gguf`` file or an
     embedded model name such as ``smollm2-135m-instruct``) on one device, in float32 for HF / GGUF.
+
+    Returns the ``LoadedModel`` (``.model`` the ``Transformer``, ``.config`` its ``ModelConfig``,
+    ``.run_config`` a run folder's ``config.yaml``, ``.tokenizer`` None without ``tokenizer.json``).
 
     Raises:
       FileNotFoundError: ``path`` is none of those, or lacks a file its kind needs.
       ValueError: a malformed ``config.yaml`` / ``config.json``, or a checkpoint the importers refuse.
     """
-    from flax import nnx
-
-    from rag_jax.model.load import load_model
-
     try:
-        loaded = load_model(path, dtype="float32")
+        return load_model(path, dtype="float32")
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--model: {e}") from None
-    graphdef, params = nnx.split(loaded.model)
-    return EvalModel(loaded.source, loaded.kind, loaded.run_config, loaded.config, graphdef, params, loaded.tokenizer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +53,14 @@ def rag_settings(config: dict[str, Any]) -> RagSettings:
     Raises:
       ValueError: a section with an unknown key or a bad value (the key named).
     """
-    from rag_jax import config as config_lib
-    from rag_jax.data.phantom_rag import TaskConfig, UniverseConfig
-    from rag_jax.demo.config import DemoTrainConfig, RetrievalConfig
-
     sections = {name: config_lib.from_dict(cls, config.get(name) or {}, prefix=f"{name}.")
                 for name, cls in (("universe", UniverseConfig), ("task", TaskConfig), ("retrieval", RetrievalConfig))}
     grit = config.get("grit") or {}
-    return RagSettings(**sections, grit_instruction=grit.get("instruction", DemoTrainConfig.grit_instruction),
+    return RagSettings(**sections, grit_instruction=grit.get("instruction", GRIT_INSTRUCTION),
                        passage_max_len=int(grit.get("passage_max_len") or 256))
 
 
-def load_rag_model(path: str | os.PathLike) -> tuple[EvalModel, RagSettings]:
+def load_rag_model(path: str | os.PathLike) -> tuple[LoadedModel, RagSettings]:
     """:func:`load_for_eval` and :func:`rag_settings` for the PhantomWiki RAG evaluations (``rag_qa``,
     ``retrieval_recall``), which need the tokenizer.
 
@@ -107,4 +71,4 @@ def load_rag_model(path: str | os.PathLike) -> tuple[EvalModel, RagSettings]:
     loaded = load_for_eval(path)
     if loaded.tokenizer is None:
         raise FileNotFoundError(f"--model {path} has no tokenizer.json (the RAG prompts are text)")
-    return loaded, rag_settings(loaded.config)
+    return loaded, rag_settings(loaded.run_config)

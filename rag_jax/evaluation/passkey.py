@@ -38,13 +38,17 @@ import numpy as np
 from flax import nnx
 
 from rag_jax import sharding
-from rag_jax.data.loaders import shared_file
+from rag_jax.data.loaders import load_kv_retrieval, shared_file
+from rag_jax.data.pipeline import DataConfig
 from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, output_file, real
+from rag_jax.evaluation.models import load_for_eval
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
 from rag_jax.memory import EMLLM, EMLLMConfig
 from rag_jax.model import ModelConfig, Transformer
-from rag_jax.train import optim
+from rag_jax.tokenizer import byte_tokenizer
+from rag_jax.train import optim, trainer
+from rag_jax.train.checkpoint import CheckpointConfig
 from rag_jax.train.objectives.lm import LMLoss
 
 KV_FILE = shared_file("lost_in_the_middle", "kv-retrieval-75_keys.jsonl.gz")
@@ -145,11 +149,6 @@ def train_model(cfg: ModelConfig, steps: int, batch: int, seq_len: int, lr: floa
                 progress: bool = True) -> Transformer:
     """Train with the one trainer (causal LM loss, :func:`training_batch` rows) on one device, from ``init``'s
     weights if given (a fresh optimizer); ``run_dir``: write the run folder there (``load_model`` reads it)."""
-    from rag_jax.data.pipeline import DataConfig
-    from rag_jax.data.tokenizer import byte_tokenizer
-    from rag_jax.train import trainer
-    from rag_jax.train.checkpoint import CheckpointConfig
-
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
     run_cfg = trainer.RunConfig(
         model=cfg, mesh=sharding.MeshConfig(data=1, fsdp=1, tensor=1), data=DataConfig(seq_len=seq_len),
@@ -167,8 +166,7 @@ def train_model(cfg: ModelConfig, steps: int, batch: int, seq_len: int, lr: floa
 
 def load_model(path: str | Path) -> Transformer:
     """The model of a run folder (e.g. :func:`train_model`'s ``run_dir``) or an HF folder."""
-    from rag_jax.evaluation.models import load_for_eval
-    return load_for_eval(path).module()
+    return load_for_eval(path).model
 
 
 def method_config(method: str, base: EMLLMConfig, length: int, infllm_block: int) -> EMLLMConfig:
@@ -275,7 +273,6 @@ def main(argv=None) -> int:
         if not KV_FILE.exists():
             print(f"\nKV retrieval skipped: {KV_FILE} is absent")
             return 0
-        from rag_jax.data.loaders import load_kv_retrieval
         examples = load_kv_retrieval(KV_FILE, limit=args.kv_samples)
         print(f"\nKey-value retrieval, {KV_FILE.name}, {len(examples)} examples (gold value in the output)")
         rows = []

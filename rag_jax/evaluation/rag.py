@@ -6,14 +6,46 @@ metric definitions are in ``rag_jax.metrics``.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from rag_jax import metrics
+from rag_jax.atomic import write_text
+from rag_jax.data.block_rag import encode
 from rag_jax.data.phantom_rag import EOS, answer_text, question_block
 from rag_jax.evaluation.timing import median_ms
-from rag_jax.retrieval.scann_index import ScannConfig
+from rag_jax.inference.block_attention import BlockAttention
+from rag_jax.retrieval.lexical import BM25Index
+from rag_jax.retrieval.pipeline import Retriever
+from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
+from rag_jax.tokenizer import eos_tuple
+
+RETRIEVERS = ("grit", "minilm", "bm25")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalConfig:
+    """The retrieval section of a RAG run (``rag-jax demo`` config, read back by the evaluation scripts).
+
+    Attributes:
+      retriever: the index that feeds the answering prompts: ``grit`` (the trained model), ``minilm`` (dense,
+        pretrained) or ``bm25`` (lexical, ``rag_jax.retrieval.lexical``); all available ones are reported.
+      ks: cut-offs of the reported recall@k / hit@k.
+      scann: ScaNN index parameters (``auto`` picks brute force below 20K passages).
+    """
+
+    retriever: str = "minilm"
+    ks: tuple[int, ...] = (1, 2, 5, 10)
+    scann: ScannConfig = dataclasses.field(default_factory=ScannConfig)
+
+    def __post_init__(self):
+        if self.retriever not in RETRIEVERS:
+            raise ValueError(f"retrieval.retriever={self.retriever!r}; valid: {RETRIEVERS}")
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"retrieval.ks={self.ks!r} must be a non-empty list of ints >= 1")
 
 
 def score_answer(prediction: str, golds: Sequence[str], *, golds_are_set: bool = True) -> dict[str, float]:
@@ -22,7 +54,6 @@ def score_answer(prediction: str, golds: Sequence[str], *, golds_are_set: bool =
     ``golds_are_set``: PhantomWiki answer sets (SQuAD metrics against the comma-joined set; set metrics
     against the set) or alternatives as in NQ (every metric = the best over the alternatives).
     """
-    from rag_jax import metrics
     if golds_are_set:
         joined = answer_text(golds)
         s = metrics.phantom_set_metrics(prediction, list(golds))
@@ -61,24 +92,18 @@ def retrieval_eval(name: str, embed_docs, embed_queries, docs: Sequence[str], qu
       ``(ranked doc indices int64 [q, depth'] (-1 = none), {"recall@k", "hit@k", "by_hops": {hops: {...}},
       "seconds", "num_docs", "retriever", "index"})``.
     """
-    from rag_jax.retrieval.scann_index import ScannIndex
-
     t0 = time.perf_counter()
-    vectors = embed_docs(list(docs))
-    index = ScannIndex(vectors.shape[1], scann)
-    index.add(vectors, np.arange(len(docs)))
-    index.build()
-    _, ranked = index.search(embed_queries(list(queries)), max(depth, *ks))
+    retriever = Retriever.from_texts(docs, embed_docs, embed_queries, lambda dim: ScannIndex(dim, scann))
+    _, ranked = retriever.search_ids(queries, max(depth, *ks))
     result = ranked_metrics(ranked, gold, hops, ks)
-    result.update(seconds=time.perf_counter() - t0, num_docs=len(docs), retriever=name, index=dict(index.params))
+    result.update(seconds=time.perf_counter() - t0, num_docs=len(docs), retriever=name,
+                  index=dict(retriever.index.params))
     return ranked, result
 
 
 def bm25_eval(docs: Sequence[str], queries: Sequence[str], gold: Sequence[Sequence[int]], hops: Sequence[int],
               ks: Sequence[int], depth: int) -> tuple[np.ndarray, dict]:
     """``retrieval_eval`` with a BM25 index (``rag_jax.retrieval.lexical``) instead of embeddings + ScaNN."""
-    from rag_jax.retrieval.lexical import BM25Index
-
     t0 = time.perf_counter()
     index = BM25Index(list(docs))
     _, ranked = index.search(list(queries), max(depth, *ks))
@@ -90,8 +115,6 @@ def bm25_eval(docs: Sequence[str], queries: Sequence[str], gold: Sequence[Sequen
 
 def ranked_metrics(ranked, gold: Sequence[Sequence[int]], hops: Sequence[int], ks: Sequence[int]) -> dict:
     """recall@k / hit@k of ``ranked`` doc indices ``[q, depth]`` against ``gold``, overall and ``by_hops``."""
-    from rag_jax import metrics
-
     def scores(sel):
         r, g = [ranked[i] for i in sel], [gold[i] for i in sel]
         out = {}
@@ -112,7 +135,6 @@ def generate_answers(block_attention, tokenizer, prompts: Sequence[Sequence[Sequ
 
     ``eos_id``: the id(s) that end an answer; default the demo tokenizer's ``<eos>``.
     """
-    from rag_jax.inference.generate import eos_tuple
     eos = eos_tuple(tokenizer.token_to_id(EOS) if eos_id is None else eos_id)
     rows = []
     for i in range(0, len(prompts), batch_size):
@@ -126,10 +148,8 @@ def generate_answers(block_attention, tokenizer, prompts: Sequence[Sequence[Sequ
 def greedy_replies(loaded, model, prompts: Sequence[Sequence[Sequence[int]]], *, max_new_tokens: int,
                    batch_size: int) -> list[str]:
     """Greedy full-attention replies of ``model`` (with ``loaded``'s tokenizer and end-of-turn ids) to chat prompts
-    given as blocks of token ids (``rag_jax.demo.real_model.ChatBlocks.blocks``), in input order; prompts of
+    given as blocks of token ids (``rag_jax.data.chat_blocks.ChatBlocks.blocks``), in input order; prompts of
     similar length are batched together (less padding)."""
-    from rag_jax.inference.block_attention import BlockAttention
-
     order = np.argsort([sum(map(len, b)) for b in prompts], kind="stable")
     preds = generate_answers(BlockAttention(model), loaded.tokenizer, [prompts[i] for i in order], mode="full",
                              max_new_tokens=max_new_tokens, batch_size=batch_size, eos_id=loaded.eos_ids)
@@ -153,8 +173,6 @@ def memo_json(path, keys: Sequence[str], compute) -> list:
     import json
     from pathlib import Path
 
-    from rag_jax.atomic import write_text
-
     if path is None:
         return list(compute(list(keys)))
     path = Path(path)
@@ -176,8 +194,6 @@ def ttft_curve(block_attention, tokenizer, passages: Sequence[str], question: st
     ``last``: the question block's ids (default: the demo's ``question_block(question)``)."""
     import jax
     from rag_jax.progress import progress_bar
-
-    from rag_jax.data.block_rag import encode
 
     last = list(last) if last is not None else encode(tokenizer, question_block(question))
     rows = []

@@ -27,11 +27,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rag_jax.atomic import write_text
 from rag_jax.data import phantom_rag
-from rag_jax.evaluation.rag import generate_answers, mean_scores, score_answer
+from rag_jax.data.block_rag import encode
+from rag_jax.data.loaders import load_nq_oracle
 from rag_jax.evaluation.args import ScriptParser, input_dir, input_path, integer, output_file
+from rag_jax.evaluation.models import load_rag_model
+from rag_jax.evaluation.rag import generate_answers, mean_scores, retrieval_eval, score_answer, with_gold
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
+from rag_jax.inference.block_attention import BlockAttention
+from rag_jax.inference.kv_store import KVStore
+from rag_jax.model.embedding import GritEmbedder
+from rag_jax.retrieval.embedders import BertEmbedder
 
 METRICS = ("em", "f1", "subspan_em", "set_em", "set_f1")
 
@@ -66,12 +74,6 @@ def _fit(blocks: list[list[int]], max_len: int) -> list[list[int]]:
 
 def eval_phantomwiki(args, settings, model, tokenizer) -> tuple[dict, list[dict]]:
     import dataclasses
-
-    from rag_jax.evaluation.rag import retrieval_eval, with_gold
-    from rag_jax.inference.block_attention import BlockAttention
-    from rag_jax.inference.kv_store import KVStore
-    from rag_jax.model.embedding import GritEmbedder
-    from rag_jax.retrieval.embedders import BertEmbedder
 
     task = dataclasses.replace(settings.task, **{k: v for k, v in (("questions", args.questions),
                                                                     ("max_hops", args.max_hops)) if v is not None})
@@ -111,11 +113,6 @@ def eval_phantomwiki(args, settings, model, tokenizer) -> tuple[dict, list[dict]
 
 
 def eval_nq(args, max_seq_len: int, model, tokenizer) -> tuple[dict, list[dict]]:
-    from rag_jax.data.block_rag import encode
-    from rag_jax.data.loaders import load_nq_oracle
-    from rag_jax.inference.block_attention import BlockAttention
-    from rag_jax.inference.kv_store import KVStore
-
     examples = load_nq_oracle(args.data, limit=args.limit or None)
     ba = BlockAttention(model, store=KVStore(max_bytes=1 << 30))
     max_len = max_seq_len - args.max_new_tokens - 2 * ba.pad_multiple  # the cache and the last block are padded
@@ -163,7 +160,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=output_file, default=None,
                    help="JSON output (default: runs/eval/rag_qa_<data>.json)")
     args = p.parse_args(argv)
-    from rag_jax.evaluation.models import load_rag_model
     try:
         loaded, settings = load_rag_model(args.model)
     except (FileNotFoundError, ValueError) as e:
@@ -173,10 +169,9 @@ def main(argv=None) -> int:
     if args.data.is_dir():
         report, examples = eval_phantomwiki(args, settings, loaded.model, loaded.tokenizer)
     else:
-        report, examples = eval_nq(args, loaded.model_config.max_seq_len, loaded.model, loaded.tokenizer)
+        report, examples = eval_nq(args, loaded.config.max_seq_len, loaded.model, loaded.tokenizer)
     report["info"].update(model=str(args.model), seconds=timer.total()[0], examples=examples)
     print_table(report)
-    from rag_jax.atomic import write_text
     out = args.out or Path("runs/eval") / f"rag_qa_{args.data.name.split('.')[0]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text(out, json.dumps(report, indent=1))

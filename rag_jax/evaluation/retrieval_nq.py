@@ -24,6 +24,10 @@ from rag_jax.evaluation.args import ScriptParser, input_file, integer, output_fi
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
 from rag_jax.metrics import hit_at_k, recall_at_k
+from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+from rag_jax.retrieval.exact import ExactIndex
+from rag_jax.retrieval.lexical import BM25Index
+from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
 
 KS = (1, 5, 20)
 
@@ -39,9 +43,6 @@ def main(argv=None) -> int:
     p.add_argument("--cache", type=output_file, default=None, help="npz file to reuse/store the embeddings")
     p.add_argument("--target-recall", type=real(0, 1, lo_open=True), default=0.99, help="for the tuned tree row")
     args = p.parse_args(argv)
-    from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
-    from rag_jax.retrieval.exact import ExactIndex
-    from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
 
     examples = load_nq_oracle(args.data, args.limit)
     questions = [ex.question for ex in examples]
@@ -89,7 +90,6 @@ def main(argv=None) -> int:
         _, found = index.search(q_vecs, k_max)
         timer.stage("search")
         results[name] = (found, timer.wall["build"], timer.wall["search"], getattr(index, "params", {}))
-    from rag_jax.retrieval.lexical import BM25Index
     timer.stage("idle")
     bm25 = BM25Index([f"{x.title}\n{x.text}" for x in passages])
     timer.stage("build")

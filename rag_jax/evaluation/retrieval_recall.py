@@ -20,10 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
+from rag_jax.atomic import write_text
 from rag_jax.data import phantom_rag
+from rag_jax.data.loaders import load_phantomwiki
 from rag_jax.evaluation.args import ScriptParser, input_dir, int_list, integer, output_file
+from rag_jax.evaluation.models import load_rag_model, rag_settings
+from rag_jax.evaluation.rag import retrieval_eval
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
+from rag_jax.metrics import recall_at_k
+from rag_jax.model.embedding import GritEmbedder
+from rag_jax.retrieval.embedders import BertEmbedder
+from rag_jax.retrieval.exact import ExactIndex
 
 
 def main(argv=None) -> int:
@@ -44,7 +52,6 @@ def main(argv=None) -> int:
     ks = tuple(args.ks)
     if args.no_minilm and args.model is None:
         p.error("nothing to evaluate: --no-minilm without --model")
-    from rag_jax.data.loaders import load_phantomwiki
     try:
         data = load_phantomwiki(args.data)
     except (FileNotFoundError, ValueError) as e:
@@ -55,17 +62,12 @@ def main(argv=None) -> int:
     if not questions:
         p.error(f"no question of kind {args.questions!r} with <= {args.max_hops} hops has gold titles")
 
-    from rag_jax.evaluation.models import load_rag_model, rag_settings
-    from rag_jax.evaluation.rag import retrieval_eval
-    from rag_jax.metrics import recall_at_k
     embedders = {}
     scann = rag_settings({}).retrieval.scann
     if not args.no_minilm:
-        from rag_jax.retrieval.embedders import BertEmbedder
         minilm = BertEmbedder()
         embedders["MiniLM-L6 (pretrained)"] = (minilm.embed, minilm.embed)
     if args.model is not None:
-        from rag_jax.model.embedding import GritEmbedder
         try:
             loaded, settings = load_rag_model(args.model)
         except (FileNotFoundError, ValueError) as e:
@@ -84,7 +86,6 @@ def main(argv=None) -> int:
                                      [q["gold"] for q in questions], [q["hops"] for q in questions], ks, scann,
                                      max(ks))
         if args.exact:
-            from rag_jax.retrieval.exact import ExactIndex
             d = embed_docs(texts)
             index = ExactIndex(d.shape[1])
             index.add(d, np.arange(len(d)))
@@ -105,7 +106,6 @@ def main(argv=None) -> int:
     for name, res in report["results"].items():
         if "agree_with_exact" in res:
             print(f"# {name}: top-{max(ks)} agreement of ScaNN with the exact index: {res['agree_with_exact']:.4f}")
-    from rag_jax.atomic import write_text
     out = args.out or Path("runs/eval") / f"retrieval_recall_{args.data.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text(out, json.dumps(report, indent=1, default=str))

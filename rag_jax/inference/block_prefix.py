@@ -12,8 +12,9 @@ in the prompt (keys are pre-RoPE, as in ``inference.block_attention``), exactly 
 them. ``shared_prefix=0`` is plain block mode. A passage's cache then depends on the prefix, which is fixed per
 deployment (the system turn), so passage KV stays reusable across questions.
 
-``block_logprobs`` scores a ``BlockExample`` this way: the log-probability of each target's next token
-(``rag_jax.train.block_distill.target_positions``), for the paired log-likelihood evaluation.
+``block_logprobs`` scores a ``BlockExample`` this way: the log-probability of the next token at every position
+of the last block and the response but the final one (the targets of ``rag_jax.train.block_distill``), for the
+paired log-likelihood evaluation.
 """
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def block_logprobs(model, example, *, shared_prefix: int = 0) -> np.ndarray:
-    """float32 ``[g]``: log p(next token) at the targets of ``example`` (``block_distill.target_positions``) when
-    its passage blocks are encoded after the first ``shared_prefix`` tokens of block 0 (module docstring).
+    """float32 ``[g]``: log p(next token) at every position of the last block and the response of ``example`` but
+    the final one, when its passage blocks are encoded after the first ``shared_prefix`` tokens of block 0
+    (module docstring).
 
     Args:
       model: a ``Transformer`` (or its ``(graphdef, state)``).
@@ -66,8 +68,6 @@ def block_logprobs(model, example, *, shared_prefix: int = 0) -> np.ndarray:
     Raises:
       ValueError: ``shared_prefix`` outside ``[0, len(block 0)]``, or an example with fewer than 2 blocks.
     """
-    from rag_jax.train.block_distill import target_positions
-
     graphdef, state = nnx.split(model) if isinstance(model, nnx.Module) else model
     blocks = [list(b) for b in example.blocks]
     if len(blocks) < 2:
@@ -92,7 +92,7 @@ def block_logprobs(model, example, *, shared_prefix: int = 0) -> np.ndarray:
         cache = KVSegment.concat([c, KVSegment.empty(c.k.shape[0], 1, width - offset, c.k.shape[3], c.k.shape[4],
                                                      c.k.dtype)])
     last = blocks[-1] + list(example.response)
-    t = target_positions(example)[0] - offset
+    t = np.arange(len(last) - 1, dtype=np.int32)
     index = np.zeros((1, _round_up(len(t), 16)), np.int32)
     index[0, :len(t)] = t
     logp = _next_logp(graphdef, state, *_pad(last, _round_up(len(last), 32), offset), cache, index)

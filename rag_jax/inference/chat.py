@@ -20,9 +20,10 @@ from flax import nnx
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from rag_jax.inference.generate import check_sampling, decode_step, eos_tuple, prefill, sample_logits
+from rag_jax.inference.generate import check_sampling, decode_step, prefill, sample_logits
 from rag_jax.model.transformer import Transformer
-from rag_jax.text import chat_encode, encode_prompt, render_chat  # noqa: F401 (render_chat: re-export)
+from rag_jax.text import chat_encode, encode_prompt
+from rag_jax.tokenizer import eos_tuple
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PROMPT_BUCKET = 128  # prompts are left-padded to a multiple of this, so one compile serves many prompts

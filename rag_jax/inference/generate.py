@@ -19,6 +19,7 @@ from flax import nnx
 
 from rag_jax.model.kv import KVSegment
 from rag_jax.model.transformer import Transformer
+from rag_jax.tokenizer import eos_tuple
 
 
 def sample_logits(logits, rng, *, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
@@ -42,16 +43,6 @@ def sample_logits(logits, rng, *, temperature: float = 0.0, top_k: int | None = 
         cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
-
-
-def eos_tuple(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
-    """``eos_id`` as a tuple of ints (``None`` -> empty). Raises TypeError naming the bad value."""
-    if eos_id is None:
-        return ()
-    ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
-    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
-        raise TypeError(f"eos_id={eos_id!r} must be an int or a sequence of ints")
-    return tuple(int(i) for i in ids)
 
 
 def decode_step(model: Transformer, cache: KVSegment, tokens, positions, slot):

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rag_jax import config as config_lib
+
 
 SEGMENTATIONS = ("surprise", "uniform")
 REFINEMENTS = (None, "modularity", "conductance")
@@ -138,12 +140,10 @@ class EMLLMConfig:
     def from_dict(cls, values: dict[str, Any]) -> "EMLLMConfig":
         """Build from a mapping (``rag_jax.config.from_dict``: typed; an unknown key raises ValueError naming
         it and the closest valid one)."""
-        from rag_jax import config as config_lib
         return config_lib.from_dict(cls, values, prefix="em_llm.")
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Sequence[str] = ()) -> "EMLLMConfig":
         """Load ``path`` (a mapping, optionally under an ``em_llm:`` key) with ``key=value`` ``overrides``
         (``rag_jax.config``: the one loader; duplicate keys, unknown keys and wrong types are errors)."""
-        from rag_jax import config as config_lib
         return config_lib.load_config(cls, path, list(overrides), section="em_llm")

@@ -14,16 +14,17 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from rag_jax.retrieval.exact import ExactIndex
+from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
+
 
 def make_index(kind: str, dim: int):
     """A ``rag_jax.retrieval`` index (``EMLLMConfig.index``): ``"scann"`` (``ScannIndex``, brute-force scoring:
     exact at every size), ``"scann_auto"`` (``ScannIndex`` with size-based parameters: quantized above 20K
     events) or ``"exact"`` (``ExactIndex`` on the CPU)."""
     if kind in ("scann", "scann_auto"):
-        from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
         return ScannIndex(dim, ScannConfig(mode="brute_force" if kind == "scann" else "auto"))
     if kind == "exact":
-        from rag_jax.retrieval.exact import ExactIndex
         return ExactIndex(dim, devices=jax.devices("cpu")[:1])
     raise ValueError(f"index kind={kind!r}; valid: 'scann', 'scann_auto', 'exact'")
 

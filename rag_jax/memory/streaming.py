@@ -56,6 +56,7 @@ from rag_jax.memory.refinement import key_similarity
 from rag_jax.memory.segmentation import EventSegmenter, surprise_from_logits
 from rag_jax.model import Transformer, apply_rope, build_mask
 from rag_jax.model.blockwise import MASK_VALUE
+from rag_jax.tokenizer import eos_tuple
 
 
 @flax.struct.dataclass
@@ -406,8 +407,6 @@ class EMLLM:
     def generate(self, prompt, max_new_tokens: int, eos_id: int | Sequence[int] | None = None) -> list[int]:
         """Greedy generation after ``prompt`` (int ``[seq]``); returns up to ``max_new_tokens`` ids, stopping
         after the first id in ``eos_id`` (an int or a sequence of ints)."""
-        from rag_jax.inference.generate import eos_tuple
-
         eos = eos_tuple(eos_id)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")

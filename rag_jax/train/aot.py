@@ -15,8 +15,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from rag_jax import sharding
+from rag_jax.model.config import apply_precision
 from rag_jax.train import optim, step as step_lib
 from rag_jax.train.checkpoint import abstract_with_shardings
+from rag_jax.train.trainer import resolve_objective
 
 GiB = 2**30
 # HBM per chip (Cloud TPU system architecture pages).
@@ -90,12 +92,11 @@ def compile_train_step(run_cfg, mesh: Mesh):
     """Lower + compile the run's train step on abstract, sharded inputs over ``mesh`` (any devices)."""
     tc = run_cfg.train
     sharding.check_global_batch(tc.global_batch_size, mesh, run_cfg.rules, tc.grad_accum_steps)
-    model_cfg = step_lib.apply_precision(run_cfg.model, tc.precision)
+    model_cfg = apply_precision(run_cfg.model, tc.precision)
     tx = optim.make_optimizer(run_cfg.optimizer, tc.steps)
     graphdef, abstract, specs = step_lib.abstract_train_state(model_cfg, tx, seed=tc.seed,
                                                               remat_policy=tc.remat_policy)
     shardings = step_lib.train_state_shardings(abstract, specs, tx, mesh, run_cfg.rules)
-    from rag_jax.train.trainer import resolve_objective
     train_step = step_lib.make_train_step(graphdef, tx, resolve_objective(tc.objective), shardings, mesh,
                                           accum_steps=tc.grad_accum_steps, seed=tc.seed, rules=run_cfg.rules,
                                           trainable=optim.trainable_mask(run_cfg.optimizer, abstract.params))

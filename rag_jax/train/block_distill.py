@@ -35,9 +35,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
+from rag_jax.atomic import write_bytes
 from rag_jax.data.block_rag import BlockExample
+from rag_jax.data.pipeline import DataConfig
+from rag_jax.inference.kv_store import model_fingerprint
+from rag_jax.model.hf import save_hf
+from rag_jax.progress import progress_bar
+from rag_jax.train import checkpoint, optim, trainer
+from rag_jax.train.frozen_bottom import TOP_TRAINABLE, merge_top, split_model
+from rag_jax.train.objectives.block_distill import BlockDistillLoss
 
 FEATURE_KEYS = ("block_x", "full_x", "teacher_hidden", "logp_full", "logp_block")
 
@@ -147,8 +154,6 @@ class DistillFeatures:
 
     def __init__(self, model, top_layers: int, *, cache_dir: str | os.PathLike | None = None,
                  batch_tokens: int = 8192):
-        from rag_jax.inference.kv_store import model_fingerprint
-        from rag_jax.train.frozen_bottom import split_model
 
         if not model.config.tie_embeddings:
             raise ValueError("Block-Attention distillation needs tied embeddings: the teacher's logits are read "
@@ -173,7 +178,6 @@ class DistillFeatures:
         """The features of every example (``FEATURE_KEYS``: ``block_x``/``full_x`` float32 ``[n, hidden]``,
         ``teacher_hidden`` ``[g, hidden]``, ``logp_full``/``logp_block`` ``[g]`` for the ``g`` targets of
         ``target_positions``), computing the rows found neither in memory nor in ``cache_dir``."""
-        from rag_jax.atomic import write_bytes
 
         todo = []
         for ex in examples:
@@ -190,7 +194,7 @@ class DistillFeatures:
         todo.sort(key=lambda ex: ex.num_tokens)
         bottom_def, bottom_state = nnx.split(self.bottom)
         top_def, top_state = nnx.split(self.top)
-        with tqdm(total=len(todo), desc=desc, unit="row", disable=not progress) as bar:
+        with progress_bar(total=len(todo), desc=desc, unit="row", enabled=progress) as bar:
             start = 0
             while start < len(todo):
                 width = self._width(todo[start].num_tokens)
@@ -320,10 +324,6 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
       ValueError: no examples, a row longer than ``cfg.seq_len`` or with more than ``cfg.max_targets`` targets,
         untied embeddings (all before compiling).
     """
-    from rag_jax.data.pipeline import DataConfig
-    from rag_jax.train import checkpoint, optim, trainer
-    from rag_jax.train.frozen_bottom import TOP_TRAINABLE, merge_top
-    from rag_jax.train.objectives.block_distill import BlockDistillLoss
 
     if not examples:
         raise ValueError("distill needs at least one training example")
@@ -361,7 +361,6 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
 def export_hf(loaded, model, path: str | os.PathLike) -> Path:
     """Write ``model`` (e.g. the tuned model) as an HF folder with ``loaded``'s tokenizer, chat template, special
     tokens and end ids, so ``load_model(path)`` prompts it as the base model (atomic, ``hf.save_hf``)."""
-    from rag_jax.model.hf import save_hf
 
     extra = {}
     if loaded.tokenizer is not None:

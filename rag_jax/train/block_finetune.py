@@ -20,6 +20,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from rag_jax.data.block_rag import BlockExample, mixed_batch
+from rag_jax.data.pipeline import DataConfig
+from rag_jax.model.load import chat_section
+from rag_jax.train import checkpoint, optim, trainer
+from rag_jax.train.objectives.block import MixedBlockLoss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +89,6 @@ def finetune(loaded, examples: Sequence[BlockExample], cfg: BlockFinetuneConfig,
     """
     from flax import nnx
 
-    from rag_jax.data.pipeline import DataConfig
-    from rag_jax.model.load import chat_section
-    from rag_jax.train import checkpoint, optim, trainer
-    from rag_jax.train.objectives.block import MixedBlockLoss
 
     if not examples:
         raise ValueError("finetune needs at least one training example")

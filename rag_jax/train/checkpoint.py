@@ -31,6 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from rag_jax.atomic import write_text
+from rag_jax.config import to_dict
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,6 @@ _HELD_LOCKS: dict[str, list] = {}  # folder -> [open lock file, users in this pr
 def run_fingerprint(run_cfg) -> dict:
     """What makes a resumed run the same run: ``{"model", "data", "seed", "objective"}`` as plain values
     (``run_cfg``: a RunConfig, or anything with ``.model``, ``.data`` and ``.train.seed/.objective``)."""
-    from rag_jax.config import to_dict
     model = {k: v for k, v in to_dict(run_cfg.model).items() if k != "attention_impl"}  # a kernel, not the model
     return json.loads(json.dumps({"model": model, "data": to_dict(run_cfg.data),
                                   "seed": run_cfg.train.seed, "objective": run_cfg.train.objective}))

@@ -13,6 +13,7 @@ import logging
 import sys
 
 from rag_jax import distributed
+from rag_jax.train import trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,11 +35,11 @@ def train(argv: list[str] | None = None):
                         help="call jax.distributed.initialize() with no arguments (Cloud TPU pods, SLURM)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100 mesh.fsdp=-1")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # force: importing the libraries (tfds, orbax, ...) already gave the root logger a handler at WARNING
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("absl", "orbax", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    from rag_jax.train import trainer  # config loading touches no device
     cfg = trainer.load_run_config(args.config, args.overrides)
     if args.auto_distributed:
         import jax

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 
+from rag_jax.atomic import write_text
 from rag_jax.model import ModelConfig
 
 # Dense bf16 peak FLOP/s per chip (vendor data sheets; research note jax_frameworks.md section 5).
@@ -78,7 +79,6 @@ class MetricWriter:
         if path.is_file():
             self._rows = [r for r in read_jsonl(path) if from_step and r.get("step", 0) <= from_step]
         if jsonl:
-            from rag_jax.atomic import write_text
             write_text(path, "".join(json.dumps(r) + "\n" for r in self._rows))
             self._jsonl = open(path, "a", buffering=1)
         if tensorboard:

@@ -7,7 +7,7 @@ state stay in their shardings and the old buffers are reused (research note jax_
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -19,8 +19,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from rag_jax import sharding
 from rag_jax.model import ModelConfig, Transformer
 
-Precision = Literal["fp32", "bf16", "bf16_pure"]
-PRECISIONS = ("fp32", "bf16", "bf16_pure")
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]
 
 
@@ -31,16 +29,6 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
-
-
-def apply_precision(cfg: ModelConfig, precision: str) -> ModelConfig:
-    """``fp32``: all float32. ``bf16``: bfloat16 compute, float32 master params and optimizer state.
-    ``bf16_pure``: bfloat16 params and optimizer state too (halves memory, loses small updates)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}; valid: {PRECISIONS}")
-    dtype, param_dtype = {"fp32": ("float32", "float32"), "bf16": ("bfloat16", "float32"),
-                          "bf16_pure": ("bfloat16", "bfloat16")}[precision]
-    return cfg.replace(dtype=dtype, param_dtype=param_dtype)
 
 
 def _build(cfg: ModelConfig, seed: int, remat_policy: str):

@@ -6,7 +6,7 @@ evaluation and the tokenizer). The LM task over a tokenized dataset (:func:`lm_t
 passkey reader are all tasks; ``run`` owns everything else (the way levanter's ``Trainer`` takes hooks):
 mesh, sharded state, resume, the jitted step, logging, evaluation, checkpoints and the **run folder**:
 
-    <train.run_dir>/config.yaml        the complete resolved config (self-contained; ``rag_jax.train.run_folder``)
+    <train.run_dir>/config.yaml        the complete resolved config (self-contained; ``rag_jax.model.run_folder``)
     <train.run_dir>/tokenizer.json     the task's tokenizer, if it has one
     <train.run_dir>/metrics.jsonl      one JSON row per logged step (``train/...``, ``eval/...``)
     <train.run_dir>/tensorboard/       TensorBoard events
@@ -34,11 +34,13 @@ from jax.sharding import NamedSharding
 
 from rag_jax import config as config_lib
 from rag_jax import sharding
+from rag_jax.atomic import write_text
 from rag_jax.data import pipeline
-from rag_jax.data.tokenizer import load_tokenizer
 from rag_jax.model import ModelConfig
+from rag_jax.model.config import PRECISIONS, apply_precision
 from rag_jax.model.transformer import REMAT_POLICIES
 from rag_jax.progress import progress_bar
+from rag_jax.tokenizer import load_tokenizer, save_tokenizer
 from rag_jax.train import checkpoint as ckpt_lib
 from rag_jax.train import metrics as metrics_lib
 from rag_jax.train import optim, step as step_lib
@@ -80,8 +82,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
         if self.eval_every < 0:
             raise ValueError(f"train.eval_every={self.eval_every} must be >= 0")
-        if self.precision not in step_lib.PRECISIONS:
-            raise ValueError(f"train.precision={self.precision!r}; valid: {step_lib.PRECISIONS}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r}; valid: {PRECISIONS}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"train.remat_policy={self.remat_policy!r}; valid: {REMAT_POLICIES}")
 
@@ -273,8 +275,6 @@ def _check_batch(batch: dict[str, np.ndarray], mesh, rules) -> None:
 def _write_run_files(cfg: RunConfig, task: Task, extra_config: dict | None) -> None:
     import yaml
 
-    from rag_jax.atomic import write_text
-    from rag_jax.data.tokenizer import save_tokenizer
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = {**config_lib.to_dict(cfg), **(extra_config or {})}
@@ -302,7 +302,7 @@ def run(cfg: RunConfig, task: Task | None = None, *, init_params=None, mesh=None
       ValueError / FileNotFoundError: bad config or inputs (before compiling).
     """
     tc, is_main = cfg.train, jax.process_index() == 0
-    model_cfg = step_lib.apply_precision(cfg.model, tc.precision)
+    model_cfg = apply_precision(cfg.model, tc.precision)
     mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
     task = task if task is not None else lm_task(cfg, mesh)
     ckpt_cfg = cfg.checkpoint

@@ -1,14 +1,28 @@
 """Tokenizers via the `tokenizers` library: byte-level BPE training for from-scratch models, and loading
-``tokenizer.json`` files (HF checkpoints, our own runs). Nothing is downloaded."""
+``tokenizer.json`` files (HF checkpoints, our own runs). Nothing is downloaded.
+
+Imports only ``tokenizers`` and numpy, so every layer (the model loader included) can use it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-DEFAULT_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+DEFAULT_SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # the special tokens of the tokenizers trained here (run folders)
+
+
+def eos_tuple(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """``eos_id`` as a tuple of ints (``None`` -> empty). Raises TypeError naming the bad value."""
+    if eos_id is None:
+        return ()
+    ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"eos_id={eos_id!r} must be an int or a sequence of ints")
+    return tuple(int(i) for i in ids)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, *, special_tokens: Iterable[str] = DEFAULT_SPECIAL_TOKENS,
