@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from rag_jax import sharding
-    from rag_jax.data.phantom_rag import BOS, EOS, PAD
+    from rag_jax.tokenizer import BOS, EOS, PAD
     from rag_jax.tokenizer import train_bpe
     from rag_jax.model import ModelConfig
     from rag_jax.train import optim, trainer

@@ -26,7 +26,7 @@ import grain
 import numpy as np
 
 from rag_jax.model.embedding import GritFormat, tokenize_for_embedding
-from rag_jax.text import encode_pieces
+from rag_jax.text import Markup, chat_pieces, encode_pieces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,6 @@ class ChatGritFormat:
     def generation_pieces(self, turns: list[str]) -> tuple[list[str], list[tuple[int, int]]]:
         """``generation`` as prompt pieces (``rag_jax.text.chat_pieces``: the template's text as ``Markup``, the
         messages as content); ``"".join(pieces)`` is ``generation``'s text. Same spans and errors."""
-        from rag_jax.text import Markup, chat_pieces
 
         if not turns or len(turns) % 2:
             raise ValueError(f"generative 'text' must be [user, assistant, user, assistant, ...] with an even, "

@@ -35,8 +35,8 @@ import os
 from pathlib import Path
 
 from rag_jax import config as config_lib, sharding
-from rag_jax.data.phantom_rag import (BOS, EOS, PAD, RagTrainingSet, answer_text, grit_format, prepare_data,
-                                      question_block, rag_example)
+from rag_jax.data.phantom_rag import (RagTrainingSet, answer_text, grit_format, prepare_data, question_block,
+                                      rag_example)
 from rag_jax.demo.config import (DEFAULT_BASE, DEMO_MODEL, DEMO_OPTIMIZER, DemoConfig, TokenizerConfig,
                                  load_demo_config, resolve_base)
 from rag_jax.demo.real_model import run_real
@@ -50,8 +50,9 @@ from rag_jax.model import count_params
 from rag_jax.model.config import ModelConfig
 from rag_jax.model.embedding import GritEmbedder
 from rag_jax.model.hf import load_hf
+from rag_jax.progress import progress_bar
 from rag_jax.retrieval.embedders import BertEmbedder, embed_texts, minilm_dir
-from rag_jax.tokenizer import load_tokenizer, train_bpe
+from rag_jax.tokenizer import BOS, EOS, PAD, load_tokenizer, train_bpe
 from rag_jax.train import trainer
 from rag_jax.train.checkpoint import CheckpointConfig
 from rag_jax.train.objectives.block import BlockLoss
@@ -233,7 +234,6 @@ def _answers(cfg: DemoConfig, data, model, tokenizer, td, ranked, progress: bool
     """Stage 5: the ``qa`` section of the report, and the ``BlockAttention`` (warm passage caches)."""
     import time
 
-    from rag_jax.progress import progress_bar
 
     k = cfg.task.num_passages
     docs = [p["text"] for p in data.eval_passages]

@@ -15,13 +15,14 @@ import numpy as np
 from rag_jax import metrics
 from rag_jax.atomic import write_text
 from rag_jax.data.block_rag import encode
-from rag_jax.data.phantom_rag import EOS, answer_text, question_block
+from rag_jax.data.phantom_rag import answer_text, question_block
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.inference.block_attention import BlockAttention
+from rag_jax.progress import progress_bar
 from rag_jax.retrieval.lexical import BM25Index
 from rag_jax.retrieval.pipeline import Retriever
 from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
-from rag_jax.tokenizer import eos_tuple
+from rag_jax.tokenizer import EOS, eos_tuple
 
 RETRIEVERS = ("grit", "minilm", "bm25")
 
@@ -193,7 +194,6 @@ def ttft_curve(block_attention, tokenizer, passages: Sequence[str], question: st
     first token's logits). Sizes whose prompt exceeds ``max_seq_len`` (or the passages given) are skipped.
     ``last``: the question block's ids (default: the demo's ``question_block(question)``)."""
     import jax
-    from rag_jax.progress import progress_bar
 
     last = list(last) if last is not None else encode(tokenizer, question_block(question))
     rows = []

@@ -21,6 +21,8 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from rag_jax.inference.generate import check_sampling, decode_step, prefill, sample_logits
+from rag_jax.model.gguf import convert_gguf
+from rag_jax.model.load import load_model, resolve_model
 from rag_jax.model.transformer import Transformer
 from rag_jax.text import chat_encode, encode_prompt
 from rag_jax.tokenizer import eos_tuple
@@ -106,7 +108,6 @@ def _print_stream(loaded, prompt_ids, args, out) -> str:
 
 
 def _load(args):
-    from rag_jax.model.load import load_model
 
     loaded = load_model(args.model, dtype=args.dtype)
     if loaded.tokenizer is None:
@@ -142,8 +143,6 @@ def _generate(args) -> int:
 
 
 def _convert(args) -> int:
-    from rag_jax.model.gguf import convert_gguf
-    from rag_jax.model.load import resolve_model
 
     out = convert_gguf(resolve_model(args.gguf), args.out, dtype=args.dtype or "float32")
     print(f"wrote HF folder {out}")

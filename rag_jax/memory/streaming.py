@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rag_jax.inference.kv_store import WeightsWatch
 from rag_jax.memory.config import EMLLMConfig
 from rag_jax.memory.event_retrieval import ContiguityBuffer, merge_temporal, retrieval_budget, select_by_similarity
 from rag_jax.memory.event_store import DeviceEventCache, EventStore, representative_vectors
@@ -325,7 +326,6 @@ class EMLLM:
         mcfg = model.config
         if cfg.refinement is not None and cfg.refine_from_layer >= mcfg.num_layers:
             raise ValueError(f"refine_from_layer={cfg.refine_from_layer} must be < num_layers={mcfg.num_layers}")
-        from rag_jax.inference.kv_store import WeightsWatch
 
         self.cfg, self.model_config = cfg, mcfg
         graphdef, state = nnx.split(model)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rag_jax.inference.kv_store import WeightsWatch
 from rag_jax.model.embedding import pad_length
 from rag_jax.model.transformer import Transformer
 from rag_jax.progress import progress_bar
@@ -114,7 +115,6 @@ class FrozenBottom:
     def __init__(self, bottom: Transformer, *, batch_tokens: int = 4096, fingerprint: str = ""):
         if batch_tokens < 1:
             raise ValueError(f"batch_tokens={batch_tokens} must be >= 1")
-        from rag_jax.inference.kv_store import WeightsWatch
 
         self._graphdef, self._state = nnx.split(bottom)
         self._weights = WeightsWatch(self._state)
