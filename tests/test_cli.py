@@ -63,6 +63,12 @@ BAD_SCRIPT_INPUT = [
     ("eval", "block_nq", ["--finetune-steps", "-1"], "--finetune-steps"),
     ("eval", "block_nq", ["--lr", "inf"], "--lr"),
     ("eval", "block_nq", ["--train-seq-len", "4"], "--train-seq-len"),
+    ("eval", "block_distill", ["--ll-rows", "1"], "--ll-rows"),
+    ("eval", "block_distill", ["--ll-rows", "100000"], "--ll-rows"),
+    ("eval", "block_distill", ["--prefix", "sink,nosuch"], "--prefix"),
+    ("eval", "block_distill", ["--full-weight", "-1"], "--full-weight"),
+    ("eval", "block_distill", ["--top-layers", "30"], "--top-layers"),
+    ("eval", "block_distill", ["--lr", "nan"], "--lr"),
     ("eval", "grit_pretrained", ["--modes", "unified,nosuch"], "--modes"),
     ("eval", "grit_pretrained", ["--temperature", "0"], "--temperature"),
     ("eval", "grit_pretrained", ["--steps", "1.5"], "--steps"),
@@ -151,7 +157,7 @@ BAD_SCRIPT_INPUT = [
 
 
 # cases that read ../shared/data before they reach the checked flag (skipped where it is absent)
-NEEDS_SHARED_DATA = {("grit_pretrained", "--gen-len")}
+NEEDS_SHARED_DATA = {("grit_pretrained", "--gen-len"), ("block_distill", "--ll-rows"), ("block_distill", "--top-layers")}
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"   # as conftest.SHARED_DATA
 
 

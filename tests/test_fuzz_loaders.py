@@ -458,11 +458,12 @@ def test_hf_folder_regressions_name_file_and_field(tmp_path):
 
 
 def test_run_config_regressions_name_file_and_field(tmp_path):
-    path = tmp_path / "config.yaml"
+    path = _run_folder(tmp_path) / "config.yaml"
     for text, match in [("model: [", r"config\.yaml is not valid YAML"),
-                        (RUN_YAML.replace("steps: 10", "steps: ten"), r"config\.yaml: train\.steps='ten' is not valid"),
+                        (RUN_YAML.replace("precision: fp32", "precision: fp99"),
+                         r"config\.yaml: train\.precision='fp99' is not valid"),
                         (RUN_YAML.replace("hidden_size: 16", "hidden_size: -3"), r"config\.yaml: invalid model: ModelConfig\.hidden_size=-3"),
                         ("- a\n- b\n", r"config\.yaml must hold a mapping of sections; got list")]:
         path.write_text(text)
         with pytest.raises(ValueError, match=match):
-            read_run_config(path)
+            read_run_config(tmp_path)

@@ -103,6 +103,13 @@ def main(argv=None) -> int:
     train, heldout = heldout_split(len(examples), args.heldout, args.seed)
     if args.ll_rows > len(heldout):
         p.error(f"argument --ll-rows: {args.ll_rows} exceeds the {len(heldout)} held-out questions")
+    loaded = load_model(args.model)
+    if not args.top_layers < loaded.config.num_layers:
+        p.error(f"argument --top-layers: {args.top_layers} must be below the model's {loaded.config.num_layers} "
+                "layers (the bottom stays frozen)")
+    if not loaded.config.tie_embeddings:
+        p.error(f"argument --model: {args.model} has an untied output head; distillation reads the teacher's "
+                "logits through the frozen tied embedding")
     heldout = heldout[:args.ll_rows]
     train_q = np.random.default_rng(args.seed).permutation(train)[:args.train_rows].tolist() if args.steps else []
     texts = [f"(Title: {x.title}) {x.text}" for x in pool]
@@ -117,7 +124,6 @@ def main(argv=None) -> int:
     index = ExactIndex(p_vecs.shape[1])
     index.add(p_vecs, np.arange(len(pool)))
 
-    loaded = load_model(args.model)
     chat, eos = ChatBlocks(loaded), loaded.eos_ids[0]
     eval_rows = build_rows(chat, eos, examples, texts, gold_ids, heldout,
                            mine_negatives(emb, index, pool, examples, gold_ids, heldout, args.num_passages - 1),
