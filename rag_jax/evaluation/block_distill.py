@@ -16,7 +16,12 @@ outputs, teacher states) are cached per row in ``--cache-dir``; the run folder `
 the tuned model is written as an HF folder ``<run>/model`` that ``--model`` accepts.
 
     rag-jax eval block_distill --ll-rows 100                                   # base model: the gap
-    rag-jax eval block_distill --ll-rows 200 --train-rows 400 --steps 200 --top-layers 8 --train-passages 5
+    rag-jax eval block_distill --ll-rows 100 --prefix sink,system              # + training-free shared prefixes
+    rag-jax eval block_distill --ll-rows 100 --train-rows 160 --train-passages 5 --steps 80 --batch-size 4 \
+        --top-layers 8                                                         # the first CPU run (README row)
+
+A rerun with the same arguments reuses every cached row and the finished run folder (it resumes when killed);
+``--em-questions N`` adds greedy answers of the first N rows in both modes with exact McNemar tests.
 """
 from __future__ import annotations
 
