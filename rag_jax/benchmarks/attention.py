@@ -8,7 +8,9 @@ RSS after loading (what the prefill itself needed).
 
     # SmolLM2-135M fp32 (the embedded GGUF, converted once to an HF folder for both sides)
     rag-jax bench attention --sizes 1024,4096,8192 --impls dense,blockwise
-    # on a busy shared machine: one thread each, CPU-time clock
+    # both sides on the same 2 cores (each worker process pinned with CPU affinity), wall clock
+    rag-jax bench attention --sizes 1024,4096,8192 --impls blockwise --threads 2
+    # on a busy shared machine: one core each, CPU-time clock
     rag-jax bench attention --sizes 1024 --threads 1 --clock cpu
     # 4-layer toy config at lengths dense cannot hold
     rag-jax bench attention --toy --sizes 32768,65536 --impls blockwise --no_hf --repeats 1
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--no_hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--repeats", type=integer(1), default=3, help="timed prefills per row (median reported)")
     p.add_argument("--threads", type=integer(0), default=0,
-                   help="CPU threads for XLA and torch (0 = library defaults)")
+                   help="cores: each side pinned (CPU affinity, as taskset) to the same first N cores, JAX and torch alike (0 = unpinned); each worker process binds itself")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall: elapsed time; cpu: CPU time of the worker (all threads), which a shared, "
                         "oversubscribed machine does not inflate (use with --threads 1)")
