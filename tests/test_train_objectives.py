@@ -124,3 +124,31 @@ def test_bad_batch_is_rejected(model):
 
 def test_loss_fn_is_a_hashable_static_argument():
     assert hash(LMLoss("block")) == hash(LMLoss("block")) and LMLoss("block") != LMLoss("causal")
+
+
+@pytest.mark.parametrize("chunk", [1, 6, 4096])
+def test_fused_nll_matches_full_logits(chunk):
+    """The fused head + cross-entropy (gradients computed chunk by chunk in the forward): the loss, metrics and
+    the gradients to hidden states, head and target weights of the full-logits loss, also under a scale."""
+    import jax.numpy as jnp
+
+    from rag_jax.train.objectives.nll import fused_next_token_nll, next_token_nll
+    rng = np.random.default_rng(1)
+    b, s, h, vocab = 2, 12, 8, 50
+    hidden = jnp.asarray(rng.standard_normal((b, s, h)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((h, vocab)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, vocab, (b, s)), jnp.int32)
+    weights = jnp.asarray(rng.integers(0, 2, (b, s - 1)), jnp.float32)
+    nll, hits, n = next_token_nll(jnp.einsum("bsh,hv->bsv", hidden, head), tokens, weights)
+    total, hits_f, n_f = fused_next_token_nll(hidden, head, tokens, weights, chunk=chunk)
+    for a, c in ((nll.sum(), total), (hits, hits_f), (n, n_f)):
+        np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+    def full(x, w, wt):
+        return 3.0 * next_token_nll(jnp.einsum("bsh,hv->bsv", x, w), tokens, wt)[0].sum()
+
+    def fused(x, w, wt):
+        return 3.0 * fused_next_token_nll(x, w, tokens, wt, chunk=chunk)[0]
+    grads = [jax.jit(jax.grad(f, argnums=(0, 1, 2)))(hidden, head, weights) for f in (full, fused)]
+    for a, c in zip(*grads):
+        np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-5)

@@ -8,7 +8,9 @@ RSS after loading (what the prefill itself needed).
 
     # SmolLM2-135M fp32 (the embedded GGUF, converted once to an HF folder for both sides)
     rag-jax bench attention --sizes 1024,4096,8192 --impls dense,blockwise
-    # on a busy shared machine: one thread each, CPU-time clock
+    # both sides on the same 2 cores (each worker process pinned with CPU affinity), wall clock
+    rag-jax bench attention --sizes 1024,4096,8192 --impls blockwise --threads 2
+    # on a busy shared machine: one core each, CPU-time clock
     rag-jax bench attention --sizes 1024 --threads 1 --clock cpu
     # 4-layer toy config at lengths dense cannot hold
     rag-jax bench attention --toy --sizes 32768,65536 --impls blockwise --no_hf --repeats 1
@@ -16,7 +18,13 @@ RSS after loading (what the prefill itself needed).
     # fp32, random q/k/v) vs torch's scaled_dot_product_attention (its fused CPU flash kernel)
     rag-jax bench attention --kernel --sizes 8192 --impls blockwise --threads 1 --clock cpu
 
-Measured here (Intel Xeon with AVX-512, 2 cores shared with other jobs, ``--threads 1 --clock cpu``, SmolLM2:
+Both sides pinned to the same 2 cores (``--sizes 1024,4096,8192 --impls blockwise --threads 2 --repeats 2``,
+wall clock, each row its own process, one after another; load average 2.8-3.9 from other jobs, so not the
+quiet machine the issue-28 targets need): 1,024 tokens 386 vs 115 tokens/s (3.35x; the transformers row is an
+outlier of the load, below its own 4K rate), 4,096: 269 vs 212 (1.27x), 8,192: 182 vs 191 (0.95x); peak RSS
+at 8K 1,196 MB (weights loaded: 848 MB) vs 1,269 MB. Re-run on a quiet machine before quoting ratios.
+
+Earlier (Intel Xeon with AVX-512, 2 cores shared with other jobs, ``--threads 1 --clock cpu``, SmolLM2:
 9 heads, 3 KV heads, head_dim 64): at 8,192 tokens the whole prefill runs at 0.86x transformers (126 vs 147
 tokens/s), and ``--kernel`` shows where: one layer's causal attention takes 1.55 s blockwise vs 0.86 s in torch's
 sdpa (0.55x; 0.81x at 2,048 tokens; dense 0.14x / 0.24x), so the linear layers are faster here than torch's and
@@ -178,7 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("--no_hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--repeats", type=integer(1), default=3, help="timed prefills per row (median reported)")
     p.add_argument("--threads", type=integer(0), default=0,
-                   help="CPU threads for XLA and torch (0 = library defaults)")
+                   help="cores: each side pinned (CPU affinity, as taskset) to the same first N cores, JAX and torch alike (0 = unpinned); each worker process binds itself")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall: elapsed time; cpu: CPU time of the worker (all threads), which a shared, "
                         "oversubscribed machine does not inflate (use with --threads 1)")

@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--full-lengths", type=integer(1), nargs="+", default=[4096],
                    help="full attention prefill lengths; the first is the baseline of the x full column")
     p.add_argument("--repeats", type=integer(1), default=1)
-    p.add_argument("--threads", type=integer(0), default=0, help="XLA CPU threads (0 = default; 1 = one thread)")
+    p.add_argument("--threads", type=integer(0), default=0, help="cores: this process pinned (CPU affinity) to the first N (0 = unpinned)")
     p.add_argument("--store-sizes", type=integer(1), nargs="+", default=[1000, 10000, 50000])
     p.add_argument("--dim", type=integer(1), default=256, help="representative vector size (num_heads * head_dim)")
     p.add_argument("--k", type=integer(1), default=16)

@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", type=names(MODES), default=",".join(MODES),
                    help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--threads", type=integer(0), default=0,
-                   help="XLA CPU threads (0 = library default; 1 = one thread, stable numbers on a busy machine)")
+                   help="cores: this process pinned (CPU affinity) to the first N cores (0 = unpinned; 1 = stable numbers on a "
+                        "busy machine)")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall: elapsed time; cpu: CPU time of this process (use with --threads 1)")
     args = p.parse_args(argv)

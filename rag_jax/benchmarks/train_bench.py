@@ -20,7 +20,7 @@ import numpy as np
 from rag_jax import sharding
 from rag_jax.evaluation.args import ScriptParser, integer, real
 from rag_jax.evaluation.tables import table
-from rag_jax.evaluation.timing import median_ms
+from rag_jax.evaluation.timing import cpu_threads, median_ms
 from rag_jax.model import ModelConfig
 from rag_jax.model.config import PRECISIONS, PRESETS, apply_precision
 from rag_jax.model.transformer import REMAT_POLICIES
@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=integer(1), default=5, help="timed steps (median reported)")
     p.add_argument("--warmup", type=integer(0), default=2, help="untimed steps (the first compiles)")
     p.add_argument("--peak_flops", type=real(0, lo_open=True), default=None, help="peak FLOP/s per device for MFU")
+    p.add_argument("--threads", type=integer(0), default=0,
+                   help="cores: this process pinned (CPU affinity, as taskset) to the first N (0 = unpinned)")
     args = p.parse_args(argv)
+    cpu_threads(args.threads)  # before the XLA backend starts
 
     cfg = apply_precision(ModelConfig.preset(args.preset, max_seq_len=max(args.seq, 2048)), args.precision)
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=-1, tensor=1))

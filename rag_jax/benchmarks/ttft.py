@@ -114,8 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--pad_multiple", type=integer(1), default=1,
                    help="BlockAttention shape padding (tokens); 1 = exact lengths (the sizes here are fixed)")
     p.add_argument("--threads", type=integer(0), default=0,
-                   help="CPU threads for both XLA and torch (0 = library defaults); 1 gives stable numbers on a "
-                        "busy machine, where OpenMP/Eigen thread pools slow down badly when oversubscribed")
+                   help="cores: each side pinned (CPU affinity, as taskset) to the same first N cores, JAX and torch alike (0 = unpinned); 1 gives stable numbers on a busy machine, where thread pools slow down badly "
+                        "when oversubscribed")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall: elapsed time (TTFT proper); cpu: CPU time of this process (all threads), which "
                         "a shared, oversubscribed machine does not inflate (use with --threads 1)")

@@ -7,17 +7,43 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 
-def cpu_threads(n: int) -> None:
-    """Limit XLA's CPU backend to ``n`` threads (0: leave the defaults). Call before the first JAX
-    computation: the flags are read when the backend starts, not at import. ``n == 1`` also turns off
-    Eigen's thread pool, which gives stable timings on a busy, shared machine (with ``--clock cpu``)."""
-    if n:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                                   f"{'false' if n == 1 else 'true'} intra_op_parallelism_threads={n}").strip()
+def cpu_threads(n: int) -> list[int] | None:
+    """Bind this process to ``n`` cores (0: leave everything as it is) and size the thread pools to them.
+
+    XLA:CPU ignores its thread flags on this jaxlib, so the binding is CPU affinity
+    (``os.sched_setaffinity``, as ``taskset``): the first ``n`` cores this process may run on, set for
+    every thread that exists now and inherited by every thread started later (XLA's and torch's pools
+    size themselves from it). torch, if imported, gets ``torch.set_num_threads(n)``; ``OMP_NUM_THREADS``
+    / ``MKL_NUM_THREADS`` are set for a torch imported later. The old XLA flags stay (harmless where
+    ignored). Call before the first JAX computation; two processes that call it with the same ``n``
+    run on the same cores, which is what a same-run comparison needs. Returns the cores (None for 0).
+
+    Raises:
+      ValueError: ``n`` larger than the cores this process may use.
+    """
+    if not n:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if n > len(allowed):
+        raise ValueError(f"threads={n} but this process may run on {len(allowed)} cores {allowed}")
+    cores = allowed[:n]
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            pass
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
+                               f"{'false' if n == 1 else 'true'} intra_op_parallelism_threads={n}").strip()
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(n)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+    return cores
 
 
 def clock_fn(name: str) -> Callable[[], float]:

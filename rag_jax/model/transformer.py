@@ -229,9 +229,13 @@ class Transformer(nnx.Module):
         """int ``[b, s]`` -> ``[b, s, hidden]`` in the compute dtype."""
         return jnp.take(self.embedding[...], tokens, axis=0).astype(self.config.compute_dtype)
 
+    def head_weight(self):
+        """The output projection ``[hidden, vocab]`` (the embedding transposed when tied)."""
+        return self.embedding[...].T if self.config.tie_embeddings else self.lm_head[...]
+
     def logits(self, hidden):
         """``[b, s, hidden]`` (after final norm) -> float32 logits ``[b, s, vocab]``."""
-        w = self.embedding[...].T if self.config.tie_embeddings else self.lm_head[...]
+        w = self.head_weight()
         return jnp.einsum("bsh,hv->bsv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
     def _layer_fn(self):

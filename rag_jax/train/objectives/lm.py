@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from rag_jax.train.objectives.nll import next_token_nll
+from rag_jax.train.objectives.nll import fused_next_token_nll
 
 LM_BATCH_KEYS = ("tokens", "positions", "segment_ids")
 
@@ -44,14 +44,15 @@ def lm_loss(model, batch: dict[str, jax.Array], rng: jax.Array | None = None, *,
     if missing:
         raise ValueError(f"LM batch is missing {missing}; it has {sorted(batch)} and needs {list(LM_BATCH_KEYS)}")
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
-    logits = model(tokens, batch["positions"], segment_ids, mode=mode).logits
+    hidden = model(tokens, batch["positions"], segment_ids, mode=mode).hidden  # the unused logits are dead code
     weight = ((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)).astype(jnp.float32)
     if "loss_mask" in batch:
         weight = weight * batch["loss_mask"][:, 1:].astype(jnp.float32)
-    nll, hits, n = next_token_nll(logits, tokens, weight)
+    # vocab head + cross-entropy fused: no [batch, seq, vocab] logits, gradients formed chunk by chunk
+    nll, hits, n = fused_next_token_nll(hidden, model.head_weight(), tokens, weight)
     num_tokens = jnp.sum(n)
     denom = jnp.maximum(num_tokens, 1.0)
-    loss, accuracy = jnp.sum(nll) / denom, jnp.sum(hits) / denom
+    loss, accuracy = nll / denom, jnp.sum(hits) / denom
     return loss, {"loss": loss, "accuracy": accuracy, "num_tokens": num_tokens}
 
 
