@@ -43,8 +43,8 @@ ALLOWED_CYCLES: dict[tuple[str, ...], str] = {}
 ALLOWED_PACKAGE_CYCLES: dict[tuple[str, ...], str] = {}
 
 # Package-internal imports inside functions: 197 before issue 26. Left: cli.py's lazy dispatch (``rag-jax --help``
-# imports no subcommand).
-MAX_FUNCTION_IMPORTS = 7
+# imports no subcommand, 7) and benchmarks/prefill_profile.py (3: XLA's trace flags are set before JAX loads).
+MAX_FUNCTION_IMPORTS = 10
 
 
 @dataclasses.dataclass(frozen=True)
