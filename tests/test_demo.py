@@ -70,13 +70,13 @@ def test_tiny_demo_data_are_attribute_questions_answered_by_their_article():
 
 
 def test_rag_prompt_blocks_decode_to_passages_and_question():
-    from rag_jax.tokenizer import train_bpe
+    from rag_jax.tokenizer import BOS, EOS, PAD, train_bpe
     tok = train_bpe(["# Ada Lee\nThe hobby of Ada Lee is chess.\n", "Question: What is it?\nAnswer:"] * 5, 300,
-                    special_tokens=(phantom_rag.PAD, phantom_rag.BOS, phantom_rag.EOS, "<unk>"))
+                    special_tokens=(PAD, BOS, EOS, "<unk>"))
     ex = phantom_rag.rag_example(tok, "What is the hobby of Ada Lee?", ["# Ada Lee\nhobby chess\n", "# Bo\nx\n"], "chess")
     decoded = [tok.decode(list(b)) for b in ex.blocks]
     assert decoded == ["# Ada Lee\nhobby chess\n", "# Bo\nx\n", "Question: What is the hobby of Ada Lee?\nAnswer:"]
-    assert ex.response[-1] == tok.token_to_id(phantom_rag.EOS) and tok.decode(list(ex.response)) == " chess"
+    assert ex.response[-1] == tok.token_to_id(EOS) and tok.decode(list(ex.response)) == " chess"
 
 
 def test_score_answer_hand_computed():

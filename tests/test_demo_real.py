@@ -10,6 +10,7 @@ from flax import nnx
 
 from rag_jax import demo
 from rag_jax.tokenizer import byte_tokenizer, save_tokenizer
+from rag_jax.data import chat_blocks
 from rag_jax.demo import real_model
 from rag_jax.inference.chat import chat_prompt, stream_tokens
 from rag_jax.text import render_chat
@@ -39,10 +40,10 @@ class _Loaded:
 
 def test_blocks_are_the_chat_template_prompt():
     """Concatenated block texts == the template rendered around instruction + passages + question."""
-    chat = real_model.ChatBlocks(_Loaded())
+    chat = chat_blocks.ChatBlocks(_Loaded())
     passages = ["The hobby of Ada Lee is chess.", " # Bo\nx \n"]
     blocks = chat.blocks("What is the hobby of Ada Lee?", passages)
-    message = (real_model.INSTRUCTION + "".join(f"Document: {p.strip()}\n\n" for p in passages)
+    message = (chat_blocks.INSTRUCTION + "".join(f"Document: {p.strip()}\n\n" for p in passages)
                + "Question: What is the hobby of Ada Lee?")
     text = render_chat(CHATML, [{"role": "user", "content": message}])
     assert len(blocks) == 4
@@ -74,7 +75,7 @@ def test_real_track_end_to_end(tmp_path):
     from rag_jax.model.load import load_model
     loaded = load_model(folder)
     for ex in report["qa"]["examples"]:
-        message = real_model.INSTRUCTION + real_model.QUESTION.format(question=ex["question"])
+        message = chat_blocks.INSTRUCTION + chat_blocks.QUESTION.format(question=ex["question"])
         ids = list(stream_tokens(loaded.model, chat_prompt(loaded, [{"role": "user", "content": message}]),
                                  max_new_tokens=4))
         assert ex["no_retrieval"] == loaded.tokenizer.decode(ids, skip_special_tokens=True).strip()
