@@ -282,7 +282,6 @@ def answer_logprobs(top, examples: Sequence[BlockExample], features: Sequence[di
     if mode not in ("block", "full"):
         raise ValueError(f"mode={mode!r}; valid: block, full")
     top_def, top_state = nnx.split(top)
-    out = []
     order = np.argsort([ex.num_tokens for ex in examples], kind="stable")
     by_index = {}
     for s in range(0, len(order), batch_size):
@@ -298,8 +297,7 @@ def answer_logprobs(top, examples: Sequence[BlockExample], features: Sequence[di
                                     "block" if mode == "block" else "causal"))
         for j, i in enumerate(idx):
             by_index[int(i)] = logp[j, :len(target_positions(examples[i])[0])]
-    out = [by_index[i] for i in range(len(examples))]
-    return out
+    return [by_index[i] for i in range(len(examples))]
 
 
 def answer_loglik(examples: Sequence[BlockExample], logprobs: Sequence[np.ndarray], *,
