@@ -18,20 +18,8 @@ RSS after loading (what the prefill itself needed).
     # fp32, random q/k/v) vs torch's scaled_dot_product_attention (its fused CPU flash kernel)
     rag-jax bench attention --kernel --sizes 8192 --impls blockwise --threads 1 --clock cpu
 
-Both sides pinned to the same 2 cores (``--sizes 1024,4096,8192 --impls blockwise --threads 2 --repeats 2``,
-wall clock, each row its own process, one after another; load average 2.8-3.9 from other jobs, so not the
-quiet machine the issue-28 targets need): 1,024 tokens 386 vs 115 tokens/s (3.35x; the transformers row is an
-outlier of the load, below its own 4K rate), 4,096: 269 vs 212 (1.27x), 8,192: 182 vs 191 (0.95x); peak RSS
-at 8K 1,196 MB (weights loaded: 848 MB) vs 1,269 MB. Re-run on a quiet machine before quoting ratios.
-
-Earlier (Intel Xeon with AVX-512, 2 cores shared with other jobs, ``--threads 1 --clock cpu``, SmolLM2:
-9 heads, 3 KV heads, head_dim 64): at 8,192 tokens the whole prefill runs at 0.86x transformers (126 vs 147
-tokens/s), and ``--kernel`` shows where: one layer's causal attention takes 1.55 s blockwise vs 0.86 s in torch's
-sdpa (0.55x; 0.81x at 2,048 tokens; dense 0.14x / 0.24x), so the linear layers are faster here than torch's and
-the blockwise kernel is what loses. Inside one 256 x 1024 tile (9 heads) the QK matmul ran at ~96 GFLOP/s, the
-PV matmul (N = head_dim = 64) at ~63-68, exp at ~0.8 ns per element, each a separate pass over the tile;
-XLA flags tried (``xla_cpu_prefer_vector_width=512``, oneDNN, XNNPACK fusions) moved it by less than the
-run-to-run noise.
+Measured ratios (with the command, the machine and its load) are in README.md's Results and
+``bench/PROFILE.md``, not here.
 """
 from __future__ import annotations
 

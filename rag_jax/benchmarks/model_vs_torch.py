@@ -13,10 +13,8 @@ reports the median over rounds, so background load on a shared machine hits both
     rag-jax bench model_vs_torch --hidden 576 --intermediate 1536 --layers 8 --heads 9 --kv_heads 3 \
         --vocab 49152 --seq 1024 --batch 4 --iters 5 --threads 2 --rounds 2
 
-Measured that way (``--iters 3 --warmup 1 --threads 2 --rounds 2``, Xeon AVX-512, the 2 cores shared with
-other jobs, load average ~5, fused vocab head + cross-entropy in the rag-jax step): forward 819 vs 699 tokens/s
-(1.17x torch), AdamW train step 184 vs 166 tokens/s (1.10x). Issue 28's 0.83x / 0.48x (quiet machine, both
-sides in one unpinned process, before the fused loss) are not comparable; a quiet-machine re-run is due.
+Measured ratios (with the command, the machine and its load) are in README.md's Results and
+``bench/PROFILE.md``, not here.
 """
 from __future__ import annotations
 
