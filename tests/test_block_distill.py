@@ -78,7 +78,8 @@ def test_features_and_loss_match_the_whole_model_in_float64(tmp_path):
         np.testing.assert_allclose(f["logp_full"], ref_full[t, nxt], atol=2e-5)
         np.testing.assert_allclose(f["logp_block"], ref_block[t, nxt], atol=2e-5)
         np.testing.assert_allclose(f["teacher_hidden"], hidden[t], atol=2e-5)
-        assert f["block_x"].shape == f["full_x"].shape == (ex.num_tokens, CFG.hidden_size)
+        assert f["full_x"].shape == (ex.num_tokens, CFG.hidden_size)
+        assert len(f["head_x"]) + len(f["passage_x"]) + len(f["tail_x"]) == ex.num_tokens
         p = np.exp(ref_full[t])
         kls.append(np.sum(p * (ref_full[t] - ref_block[t]), axis=-1))
     assert np.concatenate(kls).mean() > 1e-3                                    # the modes differ clearly
@@ -188,22 +189,60 @@ def test_paired_statistics_match_their_definitions():
 
 
 def test_shared_prefix_block_logprobs_reduce_to_block_and_full_mode():
-    """``inference.block_prefix.block_logprobs``: with no prefix it is block mode (the features' log-probabilities,
-    a second implementation through the KV cache); with block 0 as the prefix and one passage it is full attention
-    (the passage then sits right after block 0, where full attention puts it); with two passages, neither."""
+    """``inference.block_prefix.block_logprobs``: with no prefix it is block mode (the float64 reference through the
+    block mask; a second implementation through KV caches); with block 0 as the prefix and one passage it is full
+    attention (the passage then sits right after block 0, where full attention puts it); with two passages,
+    neither; and ``BlockAttention(prefix=...)``, which caches each passage's KV, gives the same logits."""
+    from rag_jax.inference.block_attention import BlockAttention
     from rag_jax.inference.block_prefix import block_logprobs
     rng = np.random.default_rng()
     model = _model(int(rng.integers(1 << 20)))
     one = BlockExample([rng.integers(1, 256, 5).tolist(), rng.integers(1, 256, 7).tolist(),
                         rng.integers(1, 256, 4).tolist()], rng.integers(1, 256, 3).tolist())
     two = BlockExample([*one.blocks[:2], rng.integers(1, 256, 6).tolist(), one.blocks[-1]], one.response)
-    feats = DistillFeatures(model, 2).compute([one, two], progress=False)
-    for ex, f in zip((one, two), feats):
-        np.testing.assert_allclose(block_logprobs(model, ex), f["logp_block"], atol=2e-5)
-    np.testing.assert_allclose(block_logprobs(model, one, shared_prefix=5), feats[0]["logp_full"], atol=2e-5)
-    shared = block_logprobs(model, two, shared_prefix=5)
-    assert np.abs(shared - feats[1]["logp_full"]).max() > 1e-3 and np.abs(shared - feats[1]["logp_block"]).max() > 1e-3
-    sink = block_logprobs(model, two, shared_prefix=1)
+    for ex in (one, two):
+        ref_full, ref_block, _ = _reference(model, ex)
+        t = target_positions(ex)[0]
+        nxt = np.asarray(ex.prompt + list(ex.response))[t + 1]
+        np.testing.assert_allclose(block_logprobs(model, ex), ref_block[t, nxt], atol=2e-5)
+        if ex is one:
+            np.testing.assert_allclose(block_logprobs(model, ex, prefix="system"), ref_full[t, nxt], atol=2e-5)
+    shared = block_logprobs(model, two, prefix="system")
+    assert np.abs(shared - ref_full[t, nxt]).max() > 1e-3 and np.abs(shared - ref_block[t, nxt]).max() > 1e-3
+    sink = block_logprobs(model, two, prefix="sink")
     assert np.abs(sink - shared).max() > 1e-4
-    with pytest.raises(ValueError, match="shared_prefix=6"):
-        block_logprobs(model, two, shared_prefix=6)
+    for prefix, want in (("sink", sink), ("system", shared), ("none", ref_block[t, nxt])):
+        blocks = [*two.blocks[:-1], list(two.blocks[-1]) + list(two.response)]
+        logits = np.asarray(BlockAttention(model, prefix=prefix, pad_multiple=4).prefill(blocks).logits, np.float64)
+        lp = _log_softmax64(logits)[:-1]
+        np.testing.assert_allclose(lp[np.arange(len(lp)), np.asarray(blocks[-1][1:])], want, atol=2e-5)
+    with pytest.raises(ValueError, match="prefix='first'"):
+        block_logprobs(model, two, prefix="first")
+
+
+def test_sink_features_and_loss_follow_the_sink_inference():
+    """With ``prefix="sink"`` the cached block log-probabilities are ``block_logprobs(prefix="sink")`` of the whole
+    model, and the block pass of the loss is the KL of the teacher to exactly that distribution (float64)."""
+    from rag_jax.inference.block_prefix import block_parts, prefix_block_residuals
+    rng = np.random.default_rng()
+    model = _model(int(rng.integers(1 << 20)))
+    examples = _examples(rng, 4)
+    feats = DistillFeatures(model, 2, prefix="sink").compute(examples, progress=False)
+    kls = []
+    for ex, f in zip(examples, feats):
+        ref_full = _reference(model, ex)[0]
+        t = target_positions(ex)[0]
+        parts = {k: jnp.asarray(v) for k, v in block_parts([ex], "sink").items()}
+        tail = model.final_norm(prefix_block_residuals(model, parts)[2])
+        sink = _log_softmax64(model.logits(tail)[0])[:len(t)]
+        nxt = np.asarray(ex.prompt + list(ex.response))[t + 1]
+        np.testing.assert_allclose(f["logp_block"], sink[np.arange(len(t)), nxt], atol=2e-5)
+        assert int(f["prefix_len"]) == 1
+        p = np.exp(ref_full[t])
+        kls.append(np.sum(p * (ref_full[t] - sink), axis=-1))
+    top = split_model(model, 2)[1]
+    batch = {k: jnp.asarray(v) for k, v in distill_batch(examples, feats, 48, 16).items()}
+    loss, m = BlockDistillLoss(full_weight=0.0)(top, batch)
+    np.testing.assert_allclose(float(loss), np.concatenate(kls).mean(), rtol=1e-4, atol=1e-7)
+    for got, f in zip(answer_logprobs(top, examples, feats, "block", batch_size=3), feats):
+        np.testing.assert_allclose(got, f["logp_block"], atol=2e-5)

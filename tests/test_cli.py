@@ -66,6 +66,7 @@ BAD_SCRIPT_INPUT = [
     ("eval", "block_distill", ["--ll-rows", "1"], "--ll-rows"),
     ("eval", "block_distill", ["--ll-rows", "100000"], "--ll-rows"),
     ("eval", "block_distill", ["--prefix", "sink,nosuch"], "--prefix"),
+    ("eval", "block_distill", ["--train-prefix", "first"], "--train-prefix"),
     ("eval", "block_distill", ["--full-weight", "-1"], "--full-weight"),
     ("eval", "block_distill", ["--top-layers", "30"], "--top-layers"),
     ("eval", "block_distill", ["--lr", "nan"], "--lr"),

@@ -42,17 +42,14 @@ from rag_jax.evaluation.rag import generate_answers, score_answer
 from rag_jax.evaluation.stats import mcnemar, paired_difference
 from rag_jax.evaluation.tables import table
 from rag_jax.inference.block_attention import BlockAttention
-from rag_jax.inference.block_prefix import block_logprobs
+from rag_jax.inference.block_prefix import PREFIXES
 from rag_jax.model.load import load_model
-from rag_jax.progress import progress_bar
 from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
 from rag_jax.retrieval.exact import ExactIndex
 from rag_jax.train.block_distill import (DistillConfig, DistillFeatures, answer_loglik, answer_logprobs, distill,
                                          export_hf, target_positions)
 from rag_jax.train.frozen_bottom import split_model
 
-
-PREFIXES = ("sink", "system")
 
 
 def build_rows(chat, eos_id: int, examples, texts, gold_ids, questions, negatives, seed: int):
@@ -87,9 +84,11 @@ def main(argv=None) -> int:
     p.add_argument("--full-weight", type=real(0), default=d.full_weight,
                    help="weight of the full-attention pass's KL (0 = block pass only)")
     p.add_argument("--seq-len", type=integer(16), default=None, help="training row length (default: longest row)")
-    p.add_argument("--prefix", type=names(PREFIXES), default=[],
+    p.add_argument("--prefix", type=names(PREFIXES[1:]), default=[],
                    help="training-free rows, comma-separated: sink (every passage block sees block 0's first token), "
                         "system (every passage block sees all of block 0); rag_jax.inference.block_prefix")
+    p.add_argument("--train-prefix", choices=PREFIXES, default=d.prefix,
+                   help="the block mode the model is distilled in and evaluated with (none = plain block mode)")
     p.add_argument("--em-questions", type=integer(0), default=0,
                    help="the first N held-out rows also answered greedily (best-subspan EM, exact McNemar vs full "
                         "attention of the base model); 0 = off")
@@ -133,13 +132,16 @@ def main(argv=None) -> int:
     eval_rows = build_rows(chat, eos, examples, texts, gold_ids, heldout,
                            mine_negatives(emb, index, pool, examples, gold_ids, heldout, args.num_passages - 1),
                            args.seed + 1)
-    features = DistillFeatures(loaded.model, args.top_layers, cache_dir=args.cache_dir / "features")
-    feats = features.compute(eval_rows, desc="features (held-out rows)")
-    logp = {"full (base)": [f["logp_full"] for f in feats], "block (base)": [f["logp_block"] for f in feats]}
-    for name in args.prefix:
-        logp[f"block + {name} prefix (base)"] = [
-            block_logprobs(loaded.model, r, shared_prefix=1 if name == "sink" else len(r.blocks[0]))
-            for r in progress_bar(eval_rows, desc=f"block + {name} prefix")]
+    def features_for(prefix):
+        return DistillFeatures(loaded.model, args.top_layers, prefix=prefix, cache_dir=args.cache_dir / "features")
+
+    plain = features_for("none").compute(eval_rows, desc="features (held-out rows)")
+    logp = {"full (base)": [f["logp_full"] for f in plain], "block (base)": [f["logp_block"] for f in plain]}
+    for name in dict.fromkeys(args.prefix + ([args.train_prefix] if args.steps and args.train_prefix != "none"
+                                             else [])):
+        rows = features_for(name).compute(eval_rows, desc=f"features (held-out rows, {name} prefix)")
+        logp[f"block + {name} prefix (base)"] = [f["logp_block"] for f in rows]
+    tuned_mode = "block" if args.train_prefix == "none" else f"block + {args.train_prefix} prefix"
     models = {"base": loaded.model}
     info: dict = {}
     if args.steps:
@@ -147,7 +149,10 @@ def main(argv=None) -> int:
                                 mine_negatives(emb, index, pool, examples, gold_ids, train_q, train_passages - 1),
                                 args.seed + 2)
         seq_len = args.seq_len or max(r.num_tokens for r in train_rows)
+        features = features_for(args.train_prefix)
+        feats = features.compute(eval_rows, desc="features (held-out rows)")
         cfg = DistillConfig(top_layers=args.top_layers, steps=args.steps, batch_size=args.batch_size,
+                            prefix=args.train_prefix,
                             seq_len=-(-seq_len // 64) * 64,
                             max_targets=-(-max(len(target_positions(r)[0]) for r in train_rows) // 16) * 16,
                             full_weight=args.full_weight, learning_rate=args.lr, warmup_steps=args.warmup,
@@ -166,7 +171,7 @@ def main(argv=None) -> int:
                            "history": result.history}
         models["distilled"] = tuned
         top = split_model(tuned, args.top_layers)[1]
-        logp["block (distilled)"] = answer_logprobs(top, eval_rows, feats, "block")
+        logp[f"{tuned_mode} (distilled)"] = answer_logprobs(top, eval_rows, feats, "block")
         logp["full (distilled)"] = answer_logprobs(top, eval_rows, feats, "full")
         export_hf(loaded, tuned, run_dir / "model")
         print(f"tuned model: {run_dir / 'model'} (--model accepts it)", flush=True)
@@ -188,7 +193,7 @@ def main(argv=None) -> int:
     print(table(["inference", "mean LL", "vs full (base) [95% CI]", "Wilcoxon p", "gap closed"], rows))
     if args.em_questions:
         info["em"] = em_table(loaded, models, examples, heldout[:args.em_questions], eval_rows[:args.em_questions],
-                              args)
+                              args, dict.fromkeys(["none", *args.prefix, args.train_prefix]))
     info["wall_seconds"] = time.perf_counter() - wall
     if args.out is not None:
         write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **info,
@@ -196,23 +201,23 @@ def main(argv=None) -> int:
     return 0
 
 
-def em_table(loaded, models: dict, examples, questions, rows, args) -> dict:
-    """Greedy answers of each model in full and block attention to ``rows`` (their blocks), best-subspan EM per
-    question, printed with the exact McNemar test against full attention of the base model; returns
-    ``{condition: {"em", "only_this", "only_full_base", "p", "correct"}}``."""
+def em_table(loaded, models: dict, examples, questions, rows, args, prefixes=("none",)) -> dict:
+    """Greedy answers of each model in full attention and in block attention with each of ``prefixes`` to ``rows``
+    (their blocks), best-subspan EM per question, printed with the exact McNemar test against full attention of the
+    base model; returns ``{condition: {"em", "only_this", "only_full_base", "p", "correct"}}``."""
 
     prompts = [[list(b) for b in r.blocks] for r in rows]
     correct = {}
     for name, model in models.items():
-        ba = BlockAttention(model)
-        for mode in ("full", "block"):
+        for mode, prefix in [("full", "none")] + [("block", p) for p in prefixes]:
+            cond = f"{mode if prefix == 'none' else f'block + {prefix} prefix'} ({name})"
             t0 = time.perf_counter()
-            preds = generate_answers(ba, loaded.tokenizer, prompts, mode=mode, max_new_tokens=args.max_new_tokens,
-                                     batch_size=args.em_batch_size, eos_id=loaded.eos_ids)
-            correct[f"{mode} ({name})"] = [bool(score_answer(pr, examples[i].answers, golds_are_set=False)
-                                                ["subspan_em"]) for pr, i in zip(preds, questions)]
-            print(f"  {mode} ({name}): EM {np.mean(correct[f'{mode} ({name})']):.3f} "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            preds = generate_answers(BlockAttention(model, prefix=prefix), loaded.tokenizer, prompts, mode=mode,
+                                     max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size,
+                                     eos_id=loaded.eos_ids)
+            correct[cond] = [bool(score_answer(pr, examples[i].answers, golds_are_set=False)["subspan_em"])
+                             for pr, i in zip(preds, questions)]
+            print(f"  {cond}: EM {np.mean(correct[cond]):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     out, table_rows = {}, []
     for cond, c in correct.items():
         only, only_base, pval = mcnemar(c, correct["full (base)"])

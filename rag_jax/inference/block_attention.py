@@ -14,6 +14,10 @@ Block-Attention (Ma, Wang, Lan, ICLR 2025, §2.3; research note ``shared/researc
 3. only the last block is prefilled, at positions ``o_n..o_n+n_last-1``, attending to all cached
    blocks and causally to itself; decoding continues from there (core ``generate(kv_cache=...)``).
 
+With ``prefix="sink"`` or ``"system"`` (``rag_jax.inference.block_prefix``, APE's shared prefix) step 1
+encodes every block after the first causally after the first token / all of the first block (its KV, at local
+positions ``P..``) instead of alone; the store keys such entries by the prefix too.
+
 ``mode="full"`` runs the same prompt (blocks concatenated, no marker) with plain causal attention,
 for comparison. With ``marker_ids`` (the ``[Block-Attention]`` ids used in block fine-tuning,
 ``rag_jax.train.objectives.block``) block mode prepends them to the first block, matching training
@@ -27,9 +31,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import hashlib
+
 import numpy as np
 from flax import nnx
 
+from rag_jax.inference.block_prefix import prefix_length
 from rag_jax.inference.generate import generate as core_generate
 from rag_jax.inference.kv_store import KVStore, WeightsFingerprint
 from rag_jax.model import KVSegment, Transformer
@@ -105,13 +112,20 @@ class BlockAttention:
         (``WeightsFingerprint``): cached blocks of the old weights then miss.
       pad_multiple: blocks, the last block and assembled caches are padded (with never-attended
         slots) to a multiple of this many tokens, so varying lengths reuse compiled shapes.
+      prefix: ``"none"`` (every block encoded alone), ``"sink"`` or ``"system"``: blocks after the first are
+        encoded after the first block's first token / all of it (``block_prefix.PREFIXES``).
+
+    Raises:
+      ValueError: ``pad_multiple < 1`` or an unknown ``prefix``.
     """
 
     def __init__(self, model: Transformer | tuple, *, store: KVStore | None = None, max_block_len: int | None = None,
                  max_blocks: int | None = None, marker_ids: Sequence[int] = (), fingerprint: str | None = None,
-                 pad_multiple: int = 16):
+                 pad_multiple: int = 16, prefix: str = "none"):
         if pad_multiple < 1:
             raise ValueError(f"pad_multiple={pad_multiple} must be >= 1 tokens")
+        prefix_length(prefix, 1)  # validates the name
+        self.prefix = prefix
         self.pad_multiple = int(pad_multiple)
         self.graphdef, self.state = nnx.split(model) if isinstance(model, nnx.Module) else model
         self.config = nnx.merge(self.graphdef, self.state).config
@@ -161,12 +175,19 @@ class BlockAttention:
                              f"exceeds the model maximum max_seq_len={self.config.max_seq_len}")
         return arrays
 
-    def block_kv(self, block: np.ndarray) -> KVSegment:
-        """The block's KV at local positions 0..n-1 (batch 1), from the store or one forward over it."""
+    def block_kv(self, block: np.ndarray, prefix: np.ndarray | None = None) -> KVSegment:
+        """The block's KV (batch 1) encoded alone at local positions 0..n-1, or after ``prefix``'s KV (tokens
+        encoded alone) at positions P..P+n-1; from the store or one forward over it."""
+        p = 0 if prefix is None else prefix.size
+
         def compute() -> KVSegment:
-            kv = _padded_forward(self.graphdef, self.state, block, 0, None, self.pad_multiple, keep=1)[1]
+            cache = self.block_kv(prefix) if p else None
+            kv = _padded_forward(self.graphdef, self.state, block, p, cache, self.pad_multiple, keep=1)[1]
             return kv.slice(0, block.size)
-        return self.store.get_or_compute(block, self.fingerprint, self.dtype, compute, namespace=STORE_NAMESPACE)
+        namespace = STORE_NAMESPACE
+        if p:
+            namespace += "/after:" + hashlib.sha256(np.asarray(prefix, np.int32).tobytes()).hexdigest()[:16]
+        return self.store.get_or_compute(block, self.fingerprint, self.dtype, compute, namespace=namespace)
 
     def assemble(self, blocks: Sequence[np.ndarray], width: int | None = None) -> KVSegment | None:
         """Cached KV of ``blocks`` (the local blocks, in prompt order), each re-encoded to its offset.
@@ -178,7 +199,8 @@ class BlockAttention:
         The result is right-padded with empty slots (``segment_ids`` 0) to ``width`` tokens (default:
         the next multiple of ``pad_multiple``); None when there are no local blocks and no ``width``.
         """
-        segments = [self.block_kv(block) for block in blocks]
+        p = prefix_length(self.prefix, blocks[0].size) if blocks else 0
+        segments = [self.block_kv(block, blocks[0][:p] if i and p else None) for i, block in enumerate(blocks)]
         total = sum(block.size for block in blocks)
         width = _round_up(total, self.pad_multiple) if width is None else width
         if width < total:

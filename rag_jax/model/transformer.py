@@ -269,11 +269,19 @@ class Transformer(nnx.Module):
         Raises:
           ValueError / TypeError: see ``check_inputs``; ``inputs_embeds`` not ``[batch, seq, hidden]``.
         """
-        x, ks, vs = self._layers(tokens, positions, segment_ids, mode, is_global, kv_cache, inputs_embeds)
+        x, kv = self.encode(tokens, positions, segment_ids, mode=mode, is_global=is_global, kv_cache=kv_cache,
+                            inputs_embeds=inputs_embeds)
         hidden = self.final_norm(x)
-        kv = KVSegment(k=jnp.stack(ks), v=jnp.stack(vs), positions=positions.astype(jnp.int32),
-                       segment_ids=segment_ids.astype(jnp.int32))
         return ModelOutput(self.logits(hidden), hidden, kv)
+
+    def encode(self, tokens, positions, segment_ids, *, mode: str = "causal", is_global=None,
+               kv_cache: KVSegment | None = None, inputs_embeds=None) -> tuple[jax.Array, KVSegment]:
+        """``(residual [batch, seq, hidden] before the final norm, KVSegment of the new tokens)``: ``__call__``
+        without the norm and the output head (arguments as there), for a bottom model's output with its cache
+        (``rag_jax.inference.block_prefix``)."""
+        x, ks, vs = self._layers(tokens, positions, segment_ids, mode, is_global, kv_cache, inputs_embeds)
+        return x, KVSegment(k=jnp.stack(ks), v=jnp.stack(vs), positions=positions.astype(jnp.int32),
+                            segment_ids=segment_ids.astype(jnp.int32))
 
     def residual(self, tokens, positions, segment_ids, *, mode: str = "causal", is_global=None, inputs_embeds=None):
         """The residual stream after the last layer, before the final norm: ``[batch, seq, hidden]`` (compute

@@ -4,7 +4,9 @@ The objective is ``objectives.block_distill.BlockDistillLoss`` (the reasons are 
 feeds it and what comes out:
 
 - ``DistillFeatures``: per training or evaluation row (a ``block_rag.BlockExample``), the frozen bottom's output
-  in block and in causal mode, the teacher's (base model, full attention) hidden states after the final norm at
+  in causal mode and in block mode with the chosen shared prefix (``inference.block_prefix``: ``none`` is plain
+  block mode, ``sink`` one sink shared by all passages; the student trains through the same function inference
+  uses, so it learns the attention it is deployed with), the teacher's (base model, full attention) hidden states after the final norm at
   the target positions, and the log-probability of each target's actual next token under full and under block
   attention of the base model. All from one jitted pass per batch of rows; rows are kept in ``.npz`` files named
   by a hash of the base model's weights, the split and the row, so a cache hit is never stale and reruns,
@@ -39,6 +41,7 @@ from flax import nnx
 from rag_jax.atomic import write_bytes
 from rag_jax.data.block_rag import BlockExample
 from rag_jax.data.pipeline import DataConfig
+from rag_jax.inference.block_prefix import block_parts, part_shapes, prefix_block_residuals, prefix_length
 from rag_jax.inference.kv_store import model_fingerprint
 from rag_jax.model.hf import save_hf
 from rag_jax.progress import progress_bar
@@ -46,7 +49,9 @@ from rag_jax.train import checkpoint, optim, trainer
 from rag_jax.train.frozen_bottom import TOP_TRAINABLE, merge_top, split_model
 from rag_jax.train.objectives.block_distill import BlockDistillLoss
 
-FEATURE_KEYS = ("block_x", "full_x", "teacher_hidden", "logp_full", "logp_block")
+FEATURE_KEYS = ("full_x", "head_x", "passage_x", "tail_x", "teacher_hidden", "logp_full", "logp_block",
+                "prefix_len")
+_PART_MULTIPLE = 64  # padded widths of block 0, passages and tail: few compiled shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,7 @@ class DistillConfig:
       seq_len: rows are right-padded to this many tokens (one compiled shape); longer rows are an error.
       max_targets: target slots per row (padded); a row with more targets is an error.
       full_weight: weight of the full-attention pass's KL (``BlockDistillLoss``); 0 = block pass only.
+      prefix: the student's block mode, ``inference.block_prefix.PREFIXES`` (``none``, ``sink``, ``system``).
       learning_rate, warmup_steps: AdamW peak rate (cosine decay to 10%) and linear warmup; no weight decay.
       seed: row order.
       save_every: checkpoint interval in steps (the last step is always saved).
@@ -69,6 +75,7 @@ class DistillConfig:
     seq_len: int = 1536
     max_targets: int = 128
     full_weight: float = 1.0
+    prefix: str = "none"
     learning_rate: float = 1e-4
     warmup_steps: int = 10
     seed: int = 0
@@ -80,6 +87,7 @@ class DistillConfig:
                 raise ValueError(f"distill {name}={getattr(self, name)} must be >= 1")
         if not self.full_weight >= 0:
             raise ValueError(f"distill full_weight={self.full_weight} must be >= 0")
+        prefix_length(self.prefix, 1)
         if not self.learning_rate > 0:
             raise ValueError(f"distill learning_rate={self.learning_rate} must be > 0")
 
@@ -97,23 +105,23 @@ def target_positions(example: BlockExample) -> tuple[np.ndarray, np.ndarray]:
 
 
 def row_arrays(example: BlockExample, seq_len: int) -> dict[str, np.ndarray]:
-    """``tokens``, ``positions``, ``segment_ids``, ``is_global`` ``[seq_len]`` (``BlockExample.to_arrays``)."""
+    """``tokens``, ``positions``, ``segment_ids`` ``[seq_len]`` of the whole row (``BlockExample.to_arrays``)."""
     arrays = example.to_arrays(seq_len)
-    return {k: arrays[k] for k in ("tokens", "positions", "segment_ids", "is_global")}
+    return {k: arrays[k] for k in ("tokens", "positions", "segment_ids")}
 
 
 @functools.partial(jax.jit, static_argnames=("bottom_def", "top_def"))
-def _features(bottom_def, bottom_state, top_def, top_state, tokens, positions, segment_ids, is_global, index):
-    """One batch of rows -> (block_x, full_x ``[B, S, hidden]``, teacher_hidden ``[B, G, hidden]``, logp_full,
-    logp_block ``[B, G]``), float32."""
+def _features(bottom_def, bottom_state, top_def, top_state, tokens, positions, segment_ids, index, parts, tail_index):
+    """One batch of rows -> (full_x ``[B, S, hidden]``, head_x, passage_x, tail_x (``block_parts`` shapes + hidden),
+    teacher_hidden ``[B, G, hidden]``, logp_full, logp_block ``[B, G]``), float32."""
     bottom, top = nnx.merge(bottom_def, bottom_state), nnx.merge(top_def, top_state)
-    block_x = bottom.residual(tokens, positions, segment_ids, mode="block", is_global=is_global).astype(jnp.float32)
-    full_x = bottom.residual(tokens, positions, segment_ids, mode="causal").astype(jnp.float32)
+    full_x = bottom.residual(tokens, positions, segment_ids, mode="causal")
+    block_x = prefix_block_residuals(bottom, parts)
     h_full = _at(top(tokens, positions, segment_ids, mode="causal", inputs_embeds=full_x).hidden, index)
-    h_block = _at(top(tokens, positions, segment_ids, mode="block", is_global=is_global, inputs_embeds=block_x).hidden,
-                  index)
-    return (block_x, full_x, h_full.astype(jnp.float32), _next_logp(top, h_full, tokens, index),
-            _next_logp(top, h_block, tokens, index))
+    h_block = _at(top.final_norm(prefix_block_residuals(top, parts, block_x)[2]), tail_index)
+    f32 = (lambda x: x.astype(jnp.float32))
+    return (f32(full_x), *map(f32, block_x), f32(h_full), _next_logp(top, h_full, tokens, index),
+            _next_logp(top, h_block, parts["tail_tokens"], tail_index))
 
 
 def _at(hidden, index):
@@ -128,10 +136,16 @@ def _next_logp(top, hidden, tokens, index):
 
 
 @functools.partial(jax.jit, static_argnames=("top_def", "mode"))
-def _top_logp(top_def, top_state, tokens, positions, segment_ids, is_global, inputs_embeds, index, mode):
+def _top_logp(top_def, top_state, batch, mode):
     top = nnx.merge(top_def, top_state)
-    hidden = top(tokens, positions, segment_ids, mode=mode, is_global=is_global, inputs_embeds=inputs_embeds).hidden
-    return _next_logp(top, _at(hidden, index), tokens, index)
+    if mode == "full":
+        hidden = top(batch["tokens"], batch["positions"], batch["segment_ids"], mode="causal",
+                     inputs_embeds=batch["full_inputs_embeds"]).hidden
+        return _next_logp(top, _at(hidden, batch["target_index"]), batch["tokens"], batch["target_index"])
+    embeds = (batch["head_inputs_embeds"], batch["passage_inputs_embeds"], batch["tail_inputs_embeds"])
+    tail_x = prefix_block_residuals(top, batch, embeds)[2]
+    return _next_logp(top, _at(top.final_norm(tail_x), batch["tail_index"]), batch["tail_tokens"],
+                      batch["tail_index"])
 
 
 class DistillFeatures:
@@ -144,26 +158,28 @@ class DistillFeatures:
     Args:
       model: the base ``Transformer`` (teacher, and the student's starting point); tied embeddings.
       top_layers: layers of the trained top (``frozen_bottom.split_model``).
+      prefix: the block mode (``inference.block_prefix.PREFIXES``) of the block features and ``logp_block``.
       cache_dir: folder of the per-row ``.npz`` files (None: memory only).
       batch_tokens: padded tokens per forward.
 
     Raises:
       ValueError: untied embeddings (the teacher's logits are read through the student's head, which must be
-        the frozen embedding), or ``top_layers`` outside ``[1, num_layers)``.
+        the frozen embedding), ``top_layers`` outside ``[1, num_layers)``, or an unknown prefix.
     """
 
-    def __init__(self, model, top_layers: int, *, cache_dir: str | os.PathLike | None = None,
+    def __init__(self, model, top_layers: int, *, prefix: str = "none", cache_dir: str | os.PathLike | None = None,
                  batch_tokens: int = 8192):
+        prefix_length(prefix, 1)
 
         if not model.config.tie_embeddings:
             raise ValueError("Block-Attention distillation needs tied embeddings: the teacher's logits are read "
                              "through the student's output head, which must stay the frozen embedding")
         self.model = model
         self.bottom, self.top = split_model(model, top_layers)
-        self.top_layers = top_layers
+        self.top_layers, self.prefix = top_layers, prefix
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.batch_tokens = batch_tokens
-        self.fingerprint = hashlib.sha256(f"{model_fingerprint(model, model.config)}/top{top_layers}".encode()
+        self.fingerprint = hashlib.sha256(f"{model_fingerprint(model, model.config)}/top{top_layers}/{prefix}".encode()
                                           ).hexdigest()
         self._rows: dict[str, dict[str, np.ndarray]] = {}
 
@@ -175,9 +191,11 @@ class DistillFeatures:
 
     def compute(self, examples: Sequence[BlockExample], *, desc: str = "distillation features",
                 progress: bool = True) -> list[dict[str, np.ndarray]]:
-        """The features of every example (``FEATURE_KEYS``: ``block_x``/``full_x`` float32 ``[n, hidden]``,
-        ``teacher_hidden`` ``[g, hidden]``, ``logp_full``/``logp_block`` ``[g]`` for the ``g`` targets of
-        ``target_positions``), computing the rows found neither in memory nor in ``cache_dir``."""
+        """The features of every example (``FEATURE_KEYS``, float32: ``full_x`` ``[n, hidden]`` (causal),
+        ``head_x`` / ``passage_x`` / ``tail_x`` ``[tokens, hidden]`` (block 0, the passages concatenated, the last
+        block + response; ``prefix_block_residuals`` of the bottom), ``teacher_hidden`` ``[g, hidden]``,
+        ``logp_full`` / ``logp_block`` ``[g]`` for the ``g`` targets of ``target_positions``; int32 ``prefix_len``),
+        computing the rows found neither in memory nor in ``cache_dir``."""
 
         todo = []
         for ex in examples:
@@ -199,19 +217,24 @@ class DistillFeatures:
             while start < len(todo):
                 width = self._width(todo[start].num_tokens)
                 chunk = [ex for ex in todo[start:start + max(1, self.batch_tokens // width)] if ex.num_tokens <= width]
-                g = max(len(target_positions(ex)[0]) for ex in chunk)
+                g = _round_up(max(len(target_positions(ex)[0]) for ex in chunk), 16)
                 batch = _stack([row_arrays(ex, width) for ex in chunk], len(chunk))
-                index = np.zeros((len(chunk), _round_up(g, 16)), np.int32)
+                index, tail_index = np.zeros((len(chunk), g), np.int32), np.zeros((len(chunk), g), np.int32)
                 for i, ex in enumerate(chunk):
                     t = target_positions(ex)[0]
-                    index[i, :len(t)] = t
+                    index[i, :len(t)], tail_index[i, :len(t)] = t, np.arange(len(t))
+                parts = block_parts(chunk, self.prefix, part_shapes(chunk, _PART_MULTIPLE))
                 out = [np.asarray(x) for x in _features(bottom_def, bottom_state, top_def, top_state,
                                                         batch["tokens"], batch["positions"], batch["segment_ids"],
-                                                        batch["is_global"], index)]
+                                                        index, parts, tail_index)]
                 for i, ex in enumerate(chunk):
                     n, g_i = ex.num_tokens, len(target_positions(ex)[0])
-                    row = dict(zip(FEATURE_KEYS, (out[0][i, :n], out[1][i, :n], out[2][i, :g_i], out[3][i, :g_i],
-                                                  out[4][i, :g_i])))
+                    lens = [len(b) for b in ex.blocks[1:-1]]
+                    row = dict(zip(FEATURE_KEYS, (
+                        out[0][i, :n], out[1][i, :len(ex.blocks[0])],
+                        np.concatenate([out[2][i, j, :m] for j, m in enumerate(lens)] or [out[2][i, 0, :0]]),
+                        out[3][i, :n - sum(lens) - len(ex.blocks[0])], out[4][i, :g_i], out[5][i, :g_i],
+                        out[6][i, :g_i], parts["prefix_len"][i])))
                     k = self.key(ex)
                     self._rows[k] = row
                     if self.cache_dir is not None:
@@ -240,20 +263,27 @@ def _stack(rows: Sequence[dict[str, np.ndarray]], height: int) -> dict[str, np.n
 
 
 def distill_batch(examples: Sequence[BlockExample], features: Sequence[dict], seq_len: int, max_targets: int,
-                  *, full: bool = True) -> dict[str, np.ndarray]:
-    """The ``BlockDistillLoss`` batch of ``examples`` with their ``DistillFeatures.compute`` rows, right-padded to
-    ``seq_len`` tokens and ``max_targets`` target slots (``full``: with ``full_inputs_embeds``).
+                  shapes: dict[str, int] | None = None, *, full: bool = True) -> dict[str, np.ndarray]:
+    """The ``BlockDistillLoss`` batch of ``examples`` with their ``DistillFeatures.compute`` rows: the whole rows
+    right-padded to ``seq_len`` tokens (with ``full_inputs_embeds`` if ``full``), their ``block_parts`` (in the
+    features' prefix) padded to ``shapes`` (default: the smallest that hold them) with ``head_`` / ``passage_`` /
+    ``tail_inputs_embeds``, and ``max_targets`` target slots.
 
     Raises:
-      ValueError: an example longer than ``seq_len`` or with more than ``max_targets`` targets.
+      ValueError: an example longer than ``seq_len``, with more than ``max_targets`` targets, or not fitting
+        ``shapes``.
     """
-    hidden = features[0]["block_x"].shape[1]
+    hidden = features[0]["full_x"].shape[1]
     b = len(examples)
     out = _stack([row_arrays(ex, seq_len) for ex in examples], b)
-    out["block_inputs_embeds"] = np.zeros((b, seq_len, hidden), np.float32)
+    out.update(block_parts(examples, "none", shapes or part_shapes(examples, _PART_MULTIPLE)))
+    out["prefix_len"] = np.asarray([f["prefix_len"] for f in features], np.int32)
     if full:
         out["full_inputs_embeds"] = np.zeros((b, seq_len, hidden), np.float32)
-    out["target_index"] = np.zeros((b, max_targets), np.int32)
+    for part in ("head", "passage", "tail"):
+        out[f"{part}_inputs_embeds"] = np.zeros((*out[f"{part}_tokens"].shape, hidden), np.float32)
+    for key in ("target_index", "tail_index"):
+        out[key] = np.zeros((b, max_targets), np.int32)
     out["target_mask"] = np.zeros((b, max_targets), np.float32)
     out["teacher_hidden"] = np.zeros((b, max_targets, hidden), np.float32)
     for i, (ex, f) in enumerate(zip(examples, features)):
@@ -261,11 +291,15 @@ def distill_batch(examples: Sequence[BlockExample], features: Sequence[dict], se
         if ex.num_tokens > seq_len or len(t) > max_targets:
             raise ValueError(f"distillation row {i} has {ex.num_tokens} tokens and {len(t)} targets; seq_len="
                              f"{seq_len} and max_targets={max_targets} must hold them (raise them or drop the row)")
-        n = ex.num_tokens
-        out["block_inputs_embeds"][i, :n] = f["block_x"]
         if full:
-            out["full_inputs_embeds"][i, :n] = f["full_x"]
-        out["target_index"][i, :len(t)] = t
+            out["full_inputs_embeds"][i, :ex.num_tokens] = f["full_x"]
+        out["head_inputs_embeds"][i, :len(ex.blocks[0])] = f["head_x"]
+        start = 0
+        for j, block in enumerate(ex.blocks[1:-1]):
+            out["passage_inputs_embeds"][i, j, :len(block)] = f["passage_x"][start:start + len(block)]
+            start += len(block)
+        out["tail_inputs_embeds"][i, :len(f["tail_x"])] = f["tail_x"]
+        out["target_index"][i, :len(t)], out["tail_index"][i, :len(t)] = t, np.arange(len(t))
         out["target_mask"][i, :len(t)] = 1.0
         out["teacher_hidden"][i, :len(t)] = f["teacher_hidden"]
     return out
@@ -274,7 +308,8 @@ def distill_batch(examples: Sequence[BlockExample], features: Sequence[dict], se
 def answer_logprobs(top, examples: Sequence[BlockExample], features: Sequence[dict], mode: str, *,
                     batch_size: int = 4) -> list[np.ndarray]:
     """Per example, float32 ``[g]``: log p(next token) at its targets under ``top`` (a top model of the same
-    split, base or tuned) in ``mode`` (``"block"`` or ``"full"``), from the cached bottom outputs.
+    split, base or tuned) in ``mode`` (``"block"``, in the features' prefix, or ``"full"``), from the cached
+    bottom outputs.
 
     Raises:
       ValueError: unknown mode.
@@ -291,10 +326,8 @@ def answer_logprobs(top, examples: Sequence[BlockExample], features: Sequence[di
         width = min(_round_up(n, 256), max(n, top.config.max_seq_len))
         g = _round_up(max(len(target_positions(ex)[0]) for ex in exs), 16)
         batch = distill_batch(exs, [features[i] for i in idx], width, g, full=(mode == "full"))
-        x = batch["block_inputs_embeds" if mode == "block" else "full_inputs_embeds"]
-        logp = np.asarray(_top_logp(top_def, top_state, batch["tokens"], batch["positions"], batch["segment_ids"],
-                                    batch["is_global"], x, batch["target_index"],
-                                    "block" if mode == "block" else "causal"))
+        logp = np.asarray(_top_logp(top_def, top_state, {k: v for k, v in batch.items() if k != "teacher_hidden"},
+                                    mode))
         for j, i in enumerate(idx):
             by_index[int(i)] = logp[j, :len(target_positions(examples[i])[0])]
     return [by_index[i] for i in range(len(examples))]
@@ -330,15 +363,19 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
         if ex.num_tokens > cfg.seq_len or g > cfg.max_targets:
             raise ValueError(f"training row {i} has {ex.num_tokens} tokens and {g} targets; seq_len={cfg.seq_len} "
                              f"and max_targets={cfg.max_targets} must hold them")
-    features = features or DistillFeatures(loaded.model, cfg.top_layers)
+    features = features or DistillFeatures(loaded.model, cfg.top_layers, prefix=cfg.prefix)
+    if (features.top_layers, features.prefix) != (cfg.top_layers, cfg.prefix):
+        raise ValueError(f"features of top_layers={features.top_layers}, prefix={features.prefix!r} do not match "
+                         f"the config's top_layers={cfg.top_layers}, prefix={cfg.prefix!r}")
     feats = features.compute(examples, desc="distillation features (train)")
+    shapes = part_shapes(examples, _PART_MULTIPLE)
     order = np.random.default_rng(cfg.seed).permutation(len(examples))
     full = cfg.full_weight > 0
 
     def batch(step: int) -> dict[str, np.ndarray]:
         idx = [int(order[(step * cfg.batch_size + i) % len(order)]) for i in range(cfg.batch_size)]
         return distill_batch([examples[i] for i in idx], [feats[i] for i in idx], cfg.seq_len, cfg.max_targets,
-                             full=full)
+                             shapes, full=full)
 
     top = features.top
     run_cfg = trainer.RunConfig(

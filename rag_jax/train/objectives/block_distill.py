@@ -10,10 +10,12 @@ is distilled to the same teacher too, the analogue of the paper's 1:1 full/block
 base model's.
 
 The student is a top model (``rag_jax.train.frozen_bottom``): only its layers are trained and its inputs are the
-frozen bottom's outputs in each mode (``block_inputs_embeds``, ``full_inputs_embeds``), computed once per row.
-The teacher's logits are read through the student's own output head from the teacher's hidden states after the
-final norm (``teacher_hidden``), which is exact because the head is the tied, frozen embedding
-(``frozen_bottom.TOP_TRAINABLE``).
+frozen bottom's outputs in each mode, computed once per row. Its block pass is
+``inference.block_prefix.prefix_block_residuals``, the computation Block-Attention inference does (passages
+encoded apart, after an optional shared prefix, their KV re-encoded to their offsets, the last block attending
+to all of it), so training and deployment see the same attention. The teacher's logits are read through the
+student's own output head from the teacher's hidden states after the final norm (``teacher_hidden``), which is
+exact because the head is the tied, frozen embedding (``frozen_bottom.TOP_TRAINABLE``).
 """
 from __future__ import annotations
 
@@ -21,22 +23,26 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from rag_jax.inference.block_prefix import PART_KEYS, prefix_block_residuals
 from rag_jax.train.objectives.nll import distill_kl
 
-DISTILL_BATCH_KEYS = ("tokens", "positions", "segment_ids", "is_global", "block_inputs_embeds", "target_index",
-                      "target_mask", "teacher_hidden")
+DISTILL_BATCH_KEYS = PART_KEYS + ("head_inputs_embeds", "passage_inputs_embeds", "tail_inputs_embeds",
+                                  "tail_index", "target_mask", "teacher_hidden")
+FULL_BATCH_KEYS = ("tokens", "positions", "segment_ids", "full_inputs_embeds", "target_index")
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockDistillLoss:
     """Hashable objective for the train step: ``BlockDistillLoss()(top_model, batch, rng)``.
 
-    Batch (``rag_jax.train.block_distill.distill_batch``), B rows of S tokens, G target slots:
-      ``tokens``, ``positions``, ``segment_ids`` int32 ``[B, S]`` (0 = padding), ``is_global`` bool ``[B, S]``
-      (the last block and the response); ``block_inputs_embeds`` / ``full_inputs_embeds`` float32
-      ``[B, S, hidden]`` (the frozen bottom's output in block / causal mode; the full one only with
-      ``full_weight > 0``); ``target_index`` int32 ``[B, G]`` (positions whose next-token distribution is
-      matched), ``target_mask`` ``[B, G]`` (1 = a real target), ``teacher_hidden`` float32 ``[B, G, hidden]``.
+    Batch (``rag_jax.train.block_distill.distill_batch``), B rows, G target slots:
+      the block pass: ``block_parts``' int32 arrays (``PART_KEYS``) and float32 ``head_`` / ``passage_`` /
+      ``tail_inputs_embeds`` (the frozen bottom's ``prefix_block_residuals``), ``tail_index`` int32 ``[B, G]``
+      (target positions in the tail);
+      the full pass (``full_weight > 0``): ``tokens``, ``positions``, ``segment_ids`` int32 ``[B, S]`` (0 =
+      padding), ``full_inputs_embeds`` float32 ``[B, S, hidden]`` (the bottom's causal output), ``target_index``
+      int32 ``[B, G]`` (the same targets in the whole row);
+      both: ``target_mask`` ``[B, G]`` (1 = a real target), ``teacher_hidden`` float32 ``[B, G, hidden]``.
 
     Attributes:
       full_weight: weight of the full-attention pass's KL (>= 0); the block pass has weight 1.
@@ -56,24 +62,25 @@ class BlockDistillLoss:
 
     def __call__(self, model, batch, rng=None):
         del rng
-        keys = DISTILL_BATCH_KEYS + (("full_inputs_embeds",) if self.full_weight > 0 else ())
+        keys = DISTILL_BATCH_KEYS + (FULL_BATCH_KEYS if self.full_weight > 0 else ())
         missing = [k for k in keys if k not in batch]
         if missing:
             raise ValueError(f"Block-Attention distillation batch is missing {missing}; it has {sorted(batch)} "
                              "(see rag_jax.train.block_distill.distill_batch)")
-        tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
-        is_global = batch["is_global"].astype(bool)
-        index, mask = batch["target_index"], batch["target_mask"]
+        mask = batch["target_mask"]
         teacher = model.logits(batch["teacher_hidden"])
 
-        def kl(mode: str, inputs_embeds):
-            hidden = model(tokens, positions, segment_ids, mode=mode, is_global=is_global,
-                           inputs_embeds=inputs_embeds).hidden
-            hidden = jnp.take_along_axis(hidden, index[:, :, None], axis=1)
-            return distill_kl(model.logits(hidden), teacher, mask)
+        def kl(hidden, index):
+            return distill_kl(model.logits(jnp.take_along_axis(hidden, index[:, :, None], axis=1)), teacher, mask)
 
-        kl_block = kl("block", batch["block_inputs_embeds"])
-        kl_full = kl("causal", batch["full_inputs_embeds"]) if self.full_weight > 0 else jnp.zeros((), jnp.float32)
+        embeds = (batch["head_inputs_embeds"], batch["passage_inputs_embeds"], batch["tail_inputs_embeds"])
+        kl_block = kl(model.final_norm(prefix_block_residuals(model, batch, embeds)[2]), batch["tail_index"])
+        if self.full_weight > 0:
+            hidden = model(batch["tokens"], batch["positions"], batch["segment_ids"], mode="causal",
+                           inputs_embeds=batch["full_inputs_embeds"]).hidden
+            kl_full = kl(hidden, batch["target_index"])
+        else:
+            kl_full = jnp.zeros((), jnp.float32)
         loss = (kl_block + self.full_weight * kl_full) / (1.0 + self.full_weight)
         return loss, {"loss": loss, "kl_block": kl_block, "kl_full": kl_full,
                       "num_targets": jnp.sum(mask != 0).astype(jnp.float32)}
