@@ -146,8 +146,9 @@ def test_distill_trains_the_top_only_and_exports_a_loadable_model(tmp_path):
     assert np.array_equal(before["embedding"], after["embedding"])
     again, resumed = distill(base, examples, cfg, tmp_path / "run")     # a finished run resumes at its end
     assert resumed.start_step == 3
-    out = export_hf(base, tuned, tmp_path / "hf")
+    out = export_hf(base, tuned, tmp_path / "hf", prefix="sink")
     loaded = load_model(out)
+    assert loaded.block_prefix == "sink" and base.block_prefix == "none"
     assert loaded.chat_template == TEMPLATE and loaded.eos_ids == (10,) and loaded.tokenizer.encode("ab").ids == [97, 98]
     tokens = jnp.asarray(rng.integers(1, 256, (1, 12)), jnp.int32)
     pos, seg = jnp.arange(12)[None], jnp.ones((1, 12), jnp.int32)

@@ -143,7 +143,8 @@ def _answers(cfg: DemoConfig, data, loaded, chat: ChatBlocks, ranked, progress: 
     k = cfg.task.num_passages
     docs = [p["text"] for p in data.eval_passages]
     questions = data.eval_questions[:cfg.eval.max_questions]
-    ba = BlockAttention(loaded.model, store=KVStore(max_bytes=1 << 30), fingerprint=str(loaded.source))
+    ba = BlockAttention(loaded.model, store=KVStore(max_bytes=1 << 30), fingerprint=str(loaded.source),
+                        prefix=loaded.block_prefix)
     chosen = [prompt_passages(ranked[i], q["gold"], k, cfg.eval.passage_order) for i, q in enumerate(questions)]
     prompts = {c: [chat.blocks(q["question"], [docs[j] for j in ch[c]]) for q, ch in zip(questions, chosen)]
                for c in ("retrieval", "oracle")}

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         top = split_model(tuned, args.top_layers)[1]
         logp[f"{tuned_mode} (distilled)"] = answer_logprobs(top, eval_rows, feats, "block")
         logp["full (distilled)"] = answer_logprobs(top, eval_rows, feats, "full")
-        export_hf(loaded, tuned, run_dir / "model")
+        export_hf(loaded, tuned, run_dir / "model", prefix=args.train_prefix)
         print(f"tuned model: {run_dir / 'model'} (--model accepts it)", flush=True)
 
     ll = {name: answer_loglik(eval_rows, lp) for name, lp in logp.items()}

@@ -284,7 +284,7 @@ def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positi
     results: dict[str, dict] = {}
     for name, loaded in models.items():
         chat = ChatBlocks(loaded)
-        ba = BlockAttention(loaded.model, fingerprint=str(loaded.source))
+        ba = BlockAttention(loaded.model, fingerprint=str(loaded.source), prefix=loaded.block_prefix)
         modes = [m for m in (("block", "full") if "after" in name else ("full", "block"))
                  if m in getattr(args, "modes", MODES)]
         for mode in modes:

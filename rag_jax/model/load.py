@@ -46,6 +46,9 @@ class LoadedModel:
       special_tokens: ``{"bos_token": str, "eos_token": str, ...}`` for the chat template.
       source: the resolved file or folder.
       run_config: a run folder's resolved ``config.yaml`` as a dict (``rag_jax.model.run_folder``); {} otherwise.
+      block_prefix: the Block-Attention mode the model was tuned for (``inference.block_prefix.PREFIXES``), from an
+        HF folder's ``block_attention.json`` (``{"prefix": "sink"}``, written by ``train.block_distill.export_hf``);
+        ``"none"`` otherwise.
     """
 
     config: ModelConfig
@@ -57,6 +60,7 @@ class LoadedModel:
     special_tokens: dict[str, str]
     source: Path
     run_config: dict = dataclasses.field(default_factory=dict)
+    block_prefix: str = "none"
 
     @property
     def kind(self) -> str:
@@ -110,7 +114,8 @@ def _load_hf_folder(path: Path, dtype: str | None) -> LoadedModel:
     eos = gen_cfg.get("eos_token_id", hf_cfg.get("eos_token_id"))
     if eos is None and tok is not None and special.get("eos_token"):
         eos = tok.token_to_id(special["eos_token"])
-    return LoadedModel(cfg, model, arch, tok, template, eos_tuple(eos), special, path)
+    return LoadedModel(cfg, model, arch, tok, template, eos_tuple(eos), special, path,
+                       block_prefix=read("block_attention.json").get("prefix", "none"))
 
 
 def chat_section(loaded: LoadedModel) -> dict:

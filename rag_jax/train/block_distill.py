@@ -212,18 +212,24 @@ class DistillFeatures:
         todo.sort(key=lambda ex: ex.num_tokens)
         bottom_def, bottom_state = nnx.split(self.bottom)
         top_def, top_state = nnx.split(self.top)
+        # One padded shape for all rows of a call (one compile; rows of one dataset have similar lengths).
+        width = self._width(max([ex.num_tokens for ex in todo], default=1))
+        shapes = part_shapes(todo, _PART_MULTIPLE) if todo else None
+        rows_per_batch = max(1, self.batch_tokens // width)
+        g = _round_up(max([len(target_positions(ex)[0]) for ex in todo], default=1), 16)
         with progress_bar(total=len(todo), desc=desc, unit="row", enabled=progress) as bar:
             start = 0
             while start < len(todo):
-                width = self._width(todo[start].num_tokens)
-                chunk = [ex for ex in todo[start:start + max(1, self.batch_tokens // width)] if ex.num_tokens <= width]
-                g = _round_up(max(len(target_positions(ex)[0]) for ex in chunk), 16)
-                batch = _stack([row_arrays(ex, width) for ex in chunk], len(chunk))
-                index, tail_index = np.zeros((len(chunk), g), np.int32), np.zeros((len(chunk), g), np.int32)
+                chunk = todo[start:start + rows_per_batch]
+                batch = _stack([row_arrays(ex, width) for ex in chunk], rows_per_batch)
+                index = np.zeros((rows_per_batch, g), np.int32)
+                tail_index = np.zeros((rows_per_batch, g), np.int32)
                 for i, ex in enumerate(chunk):
                     t = target_positions(ex)[0]
                     index[i, :len(t)], tail_index[i, :len(t)] = t, np.arange(len(t))
-                parts = block_parts(chunk, self.prefix, part_shapes(chunk, _PART_MULTIPLE))
+                parts = block_parts(chunk, self.prefix, shapes)
+                parts = {k: np.concatenate([v, np.zeros((rows_per_batch - len(chunk), *v.shape[1:]), v.dtype)])
+                         for k, v in parts.items()}
                 out = [np.asarray(x) for x in _features(bottom_def, bottom_state, top_def, top_state,
                                                         batch["tokens"], batch["positions"], batch["segment_ids"],
                                                         index, parts, tail_index)]
@@ -393,11 +399,12 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
     return merge_top(loaded.model, result.state.params), result
 
 
-def export_hf(loaded, model, path: str | os.PathLike) -> Path:
+def export_hf(loaded, model, path: str | os.PathLike, *, prefix: str = "none") -> Path:
     """Write ``model`` (e.g. the tuned model) as an HF folder with ``loaded``'s tokenizer, chat template, special
-    tokens and end ids, so ``load_model(path)`` prompts it as the base model (atomic, ``hf.save_hf``)."""
+    tokens and end ids, so ``load_model(path)`` prompts it as the base model, and ``block_attention.json`` naming
+    the block mode it was tuned for (``LoadedModel.block_prefix``; atomic, ``hf.save_hf``)."""
 
-    extra = {}
+    extra = {"block_attention.json": json.dumps({"prefix": prefix})}
     if loaded.tokenizer is not None:
         extra["tokenizer.json"] = loaded.tokenizer.to_str()
     tok_cfg = {**loaded.special_tokens, "tokenizer_class": "PreTrainedTokenizerFast",
