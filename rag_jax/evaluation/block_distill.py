@@ -43,6 +43,7 @@ from rag_jax.evaluation.stats import mcnemar, paired_difference
 from rag_jax.evaluation.tables import table
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.block_prefix import PREFIXES
+from rag_jax.model.delta import apply_delta, low_rank_delta, relative_error, save_delta
 from rag_jax.model.load import load_model
 from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
 from rag_jax.retrieval.exact import ExactIndex
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
                         "system (every passage block sees all of block 0); rag_jax.inference.block_prefix")
     p.add_argument("--train-prefix", choices=PREFIXES, default=d.prefix,
                    help="the block mode the model is distilled in and evaluated with (none = plain block mode)")
+    p.add_argument("--delta-rank", type=integer(0), default=32,
+                   help="also write the tuned model as a rank-R bfloat16 delta <run>/delta.safetensors (--model "
+                        "accepts it) and score it; 0 = off")
     p.add_argument("--em-questions", type=integer(0), default=0,
                    help="the first N held-out rows also answered greedily (best-subspan EM, exact McNemar vs full "
                         "attention of the base model); 0 = off")
@@ -175,6 +179,20 @@ def main(argv=None) -> int:
         logp["full (distilled)"] = answer_logprobs(top, eval_rows, feats, "full")
         export_hf(loaded, tuned, run_dir / "model", prefix=args.train_prefix)
         print(f"tuned model: {run_dir / 'model'} (--model accepts it)", flush=True)
+        if args.delta_rank:
+            delta = low_rank_delta(loaded.model, tuned, args.delta_rank)
+            path = save_delta(run_dir / "delta.safetensors", delta,
+                              {"base": str(args.model), "block_prefix": args.train_prefix})
+            err = relative_error(loaded.model, tuned, delta)
+            info["delta"] = {"path": str(path), "bytes": path.stat().st_size, "rank": args.delta_rank,
+                             "max_relative_error": max(err.values()), "mean_relative_error": float(np.mean(
+                                 list(err.values())))}
+            print(f"delta: {path} ({path.stat().st_size / 1e6:.1f} MB, rank {args.delta_rank}, relative error "
+                  f"mean {info['delta']['mean_relative_error']:.3f} max {info['delta']['max_relative_error']:.3f})",
+                  flush=True)
+            with_delta = split_model(apply_delta(loaded.model, path), args.top_layers)[1]
+            logp[f"{tuned_mode} (delta r{args.delta_rank})"] = answer_logprobs(with_delta, eval_rows, feats, "block")
+            logp[f"full (delta r{args.delta_rank})"] = answer_logprobs(with_delta, eval_rows, feats, "full")
 
     ll = {name: answer_loglik(eval_rows, lp) for name, lp in logp.items()}
     base_gap = ll["full (base)"] - ll["block (base)"]

