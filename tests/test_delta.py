@@ -69,3 +69,6 @@ def test_an_exact_low_rank_change_is_restored_and_loads_by_path(tmp_path):
     save_delta(tmp_path / "nobase.safetensors", {"final_norm/scale": (np.zeros(32, np.float32),)}, {})
     with pytest.raises(ValueError, match="names its base"):
         load_model(tmp_path / "nobase.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x05junk")
+    with pytest.raises(ValueError, match="junk.safetensors: not a readable safetensors file"):
+        load_model(tmp_path / "junk.safetensors")

@@ -86,9 +86,12 @@ def save_delta(path: str | os.PathLike, delta: dict, metadata: dict[str, str]) -
 
 
 def delta_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The string metadata ``save_delta`` wrote."""
-    with safe_open(str(path), framework="numpy") as f:
-        return dict(f.metadata() or {})
+    """The string metadata ``save_delta`` wrote. Raises ValueError naming the file when it is not safetensors."""
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+        raise ValueError(f"model file {path}: not a readable safetensors file ({e})") from None
 
 
 def apply_delta(base, path: str | os.PathLike):
