@@ -26,6 +26,7 @@ A rerun with the same arguments reuses every cached row and the finished run fol
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -136,6 +137,7 @@ def main(argv=None) -> int:
     eval_rows = build_rows(chat, eos, examples, texts, gold_ids, heldout,
                            mine_negatives(emb, index, pool, examples, gold_ids, heldout, args.num_passages - 1),
                            args.seed + 1)
+    @functools.cache  # one object per prefix: rows computed or loaded once are reused in memory
     def features_for(prefix):
         return DistillFeatures(loaded.model, args.top_layers, prefix=prefix, cache_dir=args.cache_dir / "features")
 

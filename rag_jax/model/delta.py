@@ -28,12 +28,14 @@ from rag_jax.atomic import write_bytes
 
 def _flat(model) -> dict[str, np.ndarray]:
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return {"/".join(map(str, path)): np.asarray(v.get_value(), np.float32) for path, v in flat}
+    return {"/".join(map(str, path)): np.asarray(v.get_value(), np.float32)
+            for path, v in flat}
 
 
 def low_rank_delta(base, tuned, rank: int) -> dict[str, tuple[np.ndarray, ...]]:
-    """``{parameter path: (A [m, r], B [r, n])}`` for every changed matrix (arrays of ndim > 2 as ``_matrix``) and ``{path: (delta,)}`` for every changed
-    vector of ``tuned`` relative to ``base`` (Transformers of one config), float32.
+    """``{parameter path: (A [m, r], B [r, n])}`` for every changed matrix (arrays of ndim > 2 as ``_matrix``) and
+    ``{path: (delta,)}`` for every changed vector of ``tuned`` relative to ``base`` (Transformers of one config),
+    float32; ``r = min(rank, min(m, n))``.
 
     Raises:
       ValueError: ``rank < 1``, or models whose parameters differ in names or shapes.
@@ -67,8 +69,8 @@ def _matrix(x: np.ndarray) -> np.ndarray:
 def relative_error(base, tuned, delta) -> dict[str, float]:
     """``{path: ||(base + delta) - tuned||_F / ||tuned - base||_F}`` per changed parameter (0 = exact)."""
     a, b = _flat(base), _flat(tuned)
-    return {name: float(np.linalg.norm(a[name] + _dense(f, a[name].shape) - b[name]) / np.linalg.norm(b[name] - a[name]))
-            for name, f in delta.items()}
+    return {name: float(np.linalg.norm(a[name] + _dense(f, a[name].shape) - b[name])
+                        / np.linalg.norm(b[name] - a[name])) for name, f in delta.items()}
 
 
 def _dense(factors, shape) -> np.ndarray:

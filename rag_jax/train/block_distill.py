@@ -6,8 +6,8 @@ feeds it and what comes out:
 - ``DistillFeatures``: per training or evaluation row (a ``block_rag.BlockExample``), the frozen bottom's output
   in causal mode and in block mode with the chosen shared prefix (``inference.block_prefix``: ``none`` is plain
   block mode, ``sink`` one sink shared by all passages; the student trains through the same function inference
-  uses, so it learns the attention it is deployed with), the teacher's (base model, full attention) hidden states after the final norm at
-  the target positions, and the log-probability of each target's actual next token under full and under block
+  uses, so it learns the attention it is deployed with), the teacher's (base model, full attention) hidden
+  states after the final norm at the target positions, and the log-probability of each target's actual next token under full and under block
   attention of the base model. All from one jitted pass per batch of rows; rows are kept in ``.npz`` files named
   by a hash of the base model's weights, the split and the row, so a cache hit is never stale and reruns,
   resumed runs and later evaluations pay nothing.
