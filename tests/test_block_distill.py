@@ -2,6 +2,7 @@
 computed from the whole model's own logits: the cached features (teacher states, log-probabilities of both modes),
 the loss value, the cache (hits equal, a changed model misses), a short run (the full pass starts at KL 0, the
 frozen bottom stays bit-identical, the HF export loads back), and the paired statistics."""
+import functools
 from pathlib import Path
 
 import jax
@@ -13,9 +14,11 @@ from flax import nnx
 from rag_jax.data.block_rag import BlockExample
 from rag_jax.tokenizer import byte_tokenizer
 from rag_jax.model import ModelConfig, Transformer
+from rag_jax.evaluation.block_distill import same_bottom
 from rag_jax.model.load import LoadedModel, load_model
 from rag_jax.train.block_distill import (DistillConfig, DistillFeatures, answer_loglik, answer_logprobs,
-                                         distill, distill_batch, export_hf, target_positions)
+                                         distill, distill_batch, export_hf, shape_batches, target_positions)
+from rag_jax.inference.block_prefix import block_parts
 from rag_jax.train.frozen_bottom import split_model
 from rag_jax.train.objectives.block_distill import BlockDistillLoss
 
@@ -47,12 +50,31 @@ def _log_softmax64(logits):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def _reference(model, ex):
-    """float64 log-probabilities ``[n, vocab]`` of the whole model in causal and in block mode over ``ex``."""
-    a = {k: jnp.asarray(v[None]) for k, v in ex.to_arrays().items()}
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _both_modes(graphdef, state, a):
+    model = nnx.merge(graphdef, state)
     full = model(a["tokens"], a["positions"], a["segment_ids"], mode="causal")
     block = model(a["tokens"], a["positions"], a["segment_ids"], mode="block", is_global=a["is_global"])
-    return _log_softmax64(full.logits[0]), _log_softmax64(block.logits[0]), np.asarray(full.hidden[0], np.float64)
+    return full.logits, block.logits, full.hidden
+
+
+def _reference(model, ex):
+    """float64 log-probabilities ``[n, vocab]`` of the whole model in causal and in block mode over ``ex`` (right-
+    padded to 64 tokens, which neither mask attends to: one compiled shape for every test example)."""
+    a = {k: jnp.asarray(v[None]) for k, v in ex.to_arrays(64).items()
+         if k in ("tokens", "positions", "segment_ids", "is_global")}
+    full, block, hidden = (np.asarray(x[0, :ex.num_tokens], np.float64) for x in _both_modes(*nnx.split(model), a))
+    return _log_softmax64(full), _log_softmax64(block), hidden
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "full_weight"))
+def _loss(graphdef, state, batch, full_weight):
+    return BlockDistillLoss(full_weight=full_weight)(nnx.merge(graphdef, state), batch)
+
+
+def loss_of(top, batch, full_weight):
+    """``BlockDistillLoss(full_weight)(top, batch)``, compiled (eager, each op compiles alone: 8 s a call)."""
+    return _loss(*nnx.split(top), {k: jnp.asarray(v) for k, v in batch.items()}, full_weight)
 
 
 def test_target_positions():
@@ -86,11 +108,11 @@ def test_features_and_loss_match_the_whole_model_in_float64(tmp_path):
     # The loss over a batch: token mean of KL(full || block) over every target, block pass only, and with the full
     # pass (KL 0 at the base model: the student's full mode is the teacher).
     top = split_model(model, 2)[1]
-    batch = {k: jnp.asarray(v) for k, v in distill_batch(examples, feats, 48, 16).items()}
-    loss, m = BlockDistillLoss(full_weight=0.0)(top, batch)
+    batch = distill_batch(examples, feats, 48, 16)
+    loss, m = loss_of(top, batch, 0.0)
     want = np.concatenate(kls).mean()
     np.testing.assert_allclose(float(loss), want, rtol=1e-4, atol=1e-7)
-    loss, m = BlockDistillLoss(full_weight=1.0)(top, batch)
+    loss, m = loss_of(top, batch, 1.0)
     np.testing.assert_allclose(float(m["kl_block"]), want, rtol=1e-4, atol=1e-7)
     assert abs(float(m["kl_full"])) < 1e-5 and float(m["num_targets"]) == sum(len(k) for k in kls)
     np.testing.assert_allclose(float(loss), want / 2, rtol=1e-4, atol=1e-7)
@@ -144,6 +166,8 @@ def test_distill_trains_the_top_only_and_exports_a_loadable_model(tmp_path):
         same = jax.tree.leaves(jax.tree.map(np.array_equal, before["layers"][i], after["layers"][i]))
         assert all(same) == (i < 3), i                                  # bottom bit-identical, top changed
     assert np.array_equal(before["embedding"], after["embedding"])
+    assert same_bottom(base.model, tuned, 1) is None                    # eval block_distill --tuned accepts it
+    assert "below the top 1 layers" in same_bottom(base.model, _model(int(rng.integers(1 << 20))), 1)
     again, resumed = distill(base, examples, cfg, tmp_path / "run")     # a finished run resumes at its end
     assert resumed.start_step == 3
     out = export_hf(base, tuned, tmp_path / "hf", prefix="sink")
@@ -224,26 +248,40 @@ def test_shared_prefix_block_logprobs_reduce_to_block_and_full_mode():
 def test_sink_features_and_loss_follow_the_sink_inference():
     """With ``prefix="sink"`` the cached block log-probabilities are ``block_logprobs(prefix="sink")`` of the whole
     model, and the block pass of the loss is the KL of the teacher to exactly that distribution (float64)."""
-    from rag_jax.inference.block_prefix import block_parts, prefix_block_residuals
+    from rag_jax.inference.block_prefix import part_shapes, prefix_block_residuals
     rng = np.random.default_rng()
     model = _model(int(rng.integers(1 << 20)))
     examples = _examples(rng, 4)
     feats = DistillFeatures(model, 2, prefix="sink").compute(examples, progress=False)
+    sink_logits = jax.jit(lambda graphdef, state, parts: (lambda m: m.logits(m.final_norm(
+        prefix_block_residuals(m, parts)[2])))(nnx.merge(graphdef, state)), static_argnums=0)
+    shapes = part_shapes(examples)                                      # one compiled shape
     kls = []
     for ex, f in zip(examples, feats):
         ref_full = _reference(model, ex)[0]
         t = target_positions(ex)[0]
-        parts = {k: jnp.asarray(v) for k, v in block_parts([ex], "sink").items()}
-        tail = model.final_norm(prefix_block_residuals(model, parts)[2])
-        sink = _log_softmax64(model.logits(tail)[0])[:len(t)]
+        sink = _log_softmax64(sink_logits(*nnx.split(model), block_parts([ex], "sink", shapes))[0])[:len(t)]
         nxt = np.asarray(ex.prompt + list(ex.response))[t + 1]
         np.testing.assert_allclose(f["logp_block"], sink[np.arange(len(t)), nxt], atol=2e-5)
         assert int(f["prefix_len"]) == 1
         p = np.exp(ref_full[t])
         kls.append(np.sum(p * (ref_full[t] - sink), axis=-1))
     top = split_model(model, 2)[1]
-    batch = {k: jnp.asarray(v) for k, v in distill_batch(examples, feats, 48, 16).items()}
-    loss, m = BlockDistillLoss(full_weight=0.0)(top, batch)
+    loss, m = loss_of(top, distill_batch(examples, feats, 48, 16), 0.0)
     np.testing.assert_allclose(float(loss), np.concatenate(kls).mean(), rtol=1e-4, atol=1e-7)
     for got, f in zip(answer_logprobs(top, examples, feats, "block", batch_size=3), feats):
         np.testing.assert_allclose(got, f["logp_block"], atol=2e-5)
+
+
+def test_shape_batches_cover_every_example_once_in_shapes_that_hold_it():
+    rng = np.random.default_rng()
+    examples = [BlockExample([rng.integers(1, 256, int(n)).tolist() for n in rng.integers(1, 300, int(k))],
+                             rng.integers(1, 256, 3).tolist()) for k in rng.integers(2, 7, 23)]
+    batches = shape_batches(examples, 4, 4096)
+    seen = sorted(i for idx, _, _ in batches for i in idx)
+    assert seen == list(range(len(examples))) and all(len(idx) <= 4 for idx, _, _ in batches)
+    for idx, width, shapes in batches:
+        block_parts([examples[i] for i in idx], "none", shapes)      # raises if a row does not fit
+        longest = max(len(b) for i in idx for b in examples[i].blocks[1:-1] or [[0]])
+        assert width % 256 == 0 and width >= max(examples[i].num_tokens for i in idx)
+        assert shapes["passage_len"] - longest < (64 if longest <= 256 else 128)

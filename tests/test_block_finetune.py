@@ -197,7 +197,7 @@ def test_own_reply_targets_are_the_base_models_complete_greedy_replies(tmp_path)
             for _ in range(12)]
     args = SimpleNamespace(model="tiny", target_tokens=8, batch_size=5, targets_cache=tmp_path / "replies.json")
     out = block_nq.own_reply_examples(loaded, rows, args)
-    ba = BlockAttention(loaded.model)
+    ba = BlockAttention(loaded.model, pad_multiple=128)                # one compiled prompt shape
     expected = []
     for r in rows:
         reply = generate_answers(ba, loaded.tokenizer, [r.blocks], mode="full", max_new_tokens=8, batch_size=1,

@@ -70,6 +70,7 @@ BAD_SCRIPT_INPUT = [
     ("eval", "block_distill", ["--full-weight", "-1"], "--full-weight"),
     ("eval", "block_distill", ["--top-layers", "30"], "--top-layers"),
     ("eval", "block_distill", ["--lr", "nan"], "--lr"),
+    ("eval", "block_distill", ["--tuned", "smollm2-135m-instruct-block", "--steps", "3"], "--tuned"),
     ("eval", "grit_pretrained", ["--modes", "unified,nosuch"], "--modes"),
     ("eval", "grit_pretrained", ["--temperature", "0"], "--temperature"),
     ("eval", "grit_pretrained", ["--steps", "1.5"], "--steps"),
@@ -158,7 +159,8 @@ BAD_SCRIPT_INPUT = [
 
 
 # cases that read ../shared/data before they reach the checked flag (skipped where it is absent)
-NEEDS_SHARED_DATA = {("grit_pretrained", "--gen-len"), ("block_distill", "--ll-rows"), ("block_distill", "--top-layers")}
+NEEDS_SHARED_DATA = {("grit_pretrained", "--gen-len"), ("block_distill", "--ll-rows"), ("block_distill", "--top-layers"),
+                     ("block_distill", "--tuned")}
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"   # as conftest.SHARED_DATA
 
 

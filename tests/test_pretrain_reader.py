@@ -33,7 +33,7 @@ def test_pretrain_exports_hf_folder_and_resumes(tmp_path, capsys):
     from rag_jax.model.hf import load_hf
     out = tmp_path / "base"
     common = ["--out", str(out), "--people", "40", "--universes", "1", "--hidden", "32", "--layers", "1",
-              "--vocab", "300", "--batch", "2", "--eval-every", "2", "--seq-len", "512"]
+              "--vocab", "300", "--batch", "2", "--eval-every", "2", "--seq-len", "512", "--eval-questions", "6"]
     assert pr.main(common + ["--steps", "2"]) == 0
     cfg, _, _ = load_hf(out)
     assert cfg.num_layers == 1 and (out / "tokenizer.json").is_file()

@@ -58,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--passage-weight", type=float, default=0.1)
     p.add_argument("--seq-len", type=int, default=320, help="row length in tokens (longer rows are redrawn)")
     p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-questions", type=int, default=100, help="held-out questions per evaluation")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("steps", "batch", "layers", "hidden", "universes", "people", "max_passages", "turns", "seq_len",
@@ -202,7 +203,8 @@ def main(argv=None) -> int:
     cache: dict = {}
     task = trainer.Task(BlockLoss(block_weight=0.0), lambda step: make_batch(tok, universes, step, args, cache),
                         name="reader pretraining",
-                        evaluate=lambda graphdef, params: heldout_em((graphdef, params), tok, heldout))
+                        evaluate=lambda graphdef, params: heldout_em((graphdef, params), tok, heldout,
+                                                                     args.eval_questions))
     mesh = sharding.make_mesh(sharding.MeshConfig(), devices=jax.devices()[:1])
     result = trainer.run(cfg, task, mesh=mesh, hooks=[lambda info: print(json.dumps(
         {"step": info.step, "loss": info.metrics["loss"], "elapsed_s": round(time.time() - t0, 1)}), flush=True)])

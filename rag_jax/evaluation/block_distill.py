@@ -32,7 +32,9 @@ import json
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+from flax import nnx
 
 from rag_jax.atomic import write_text
 from rag_jax.data.chat_blocks import ChatBlocks
@@ -94,6 +96,10 @@ def main(argv=None) -> int:
     p.add_argument("--delta-rank", type=integer(0), default=32,
                    help="also write the tuned model as a rank-R bfloat16 delta <run>/delta.safetensors (--model "
                         "accepts it) and score it; 0 = off")
+    p.add_argument("--tuned", type=model_source, default=None,
+                   help="score an already tuned model instead of training one (run folder <run>/model, delta file "
+                        "or embedded name such as smollm2-135m-instruct-block), in the block mode it names; its "
+                        "bottom layers (all but --top-layers) must equal the base's")
     p.add_argument("--em-questions", type=integer(0), default=0,
                    help="the first N held-out rows also answered greedily (best-subspan EM, exact McNemar vs full "
                         "attention of the base model); 0 = off")
@@ -112,10 +118,18 @@ def main(argv=None) -> int:
     train, heldout = heldout_split(len(examples), args.heldout, args.seed)
     if args.ll_rows > len(heldout):
         p.error(f"argument --ll-rows: {args.ll_rows} exceeds the {len(heldout)} held-out questions")
+    if args.tuned is not None and args.steps:
+        p.error(f"argument --tuned: {args.tuned} is scored instead of training; drop --steps {args.steps}")
     loaded = load_model(args.model)
+    tuned_loaded = None if args.tuned is None else load_model(args.tuned)
+    tuned_prefix = args.train_prefix if tuned_loaded is None else tuned_loaded.block_prefix
     if not args.top_layers < loaded.config.num_layers:
         p.error(f"argument --top-layers: {args.top_layers} must be below the model's {loaded.config.num_layers} "
                 "layers (the bottom stays frozen)")
+    if tuned_loaded is not None:
+        problem = same_bottom(loaded.model, tuned_loaded.model, args.top_layers)
+        if problem:
+            p.error(f"argument --tuned: {args.tuned} {problem}")
     if not loaded.config.tie_embeddings:
         p.error(f"argument --model: {args.model} has an untied output head; distillation reads the teacher's "
                 "logits through the frozen tied embedding")
@@ -143,11 +157,11 @@ def main(argv=None) -> int:
 
     plain = features_for("none").compute(eval_rows, desc="features (held-out rows)")
     logp = {"full (base)": [f["logp_full"] for f in plain], "block (base)": [f["logp_block"] for f in plain]}
-    for name in dict.fromkeys(args.prefix + ([args.train_prefix] if args.steps and args.train_prefix != "none"
-                                             else [])):
+    scored = args.steps or tuned_loaded is not None
+    for name in dict.fromkeys(args.prefix + ([tuned_prefix] if scored and tuned_prefix != "none" else [])):
         rows = features_for(name).compute(eval_rows, desc=f"features (held-out rows, {name} prefix)")
         logp[f"block + {name} prefix (base)"] = [f["logp_block"] for f in rows]
-    tuned_mode = "block" if args.train_prefix == "none" else f"block + {args.train_prefix} prefix"
+    tuned_mode = "block" if tuned_prefix == "none" else f"block + {tuned_prefix} prefix"
     models = {"base": loaded.model}
     info: dict = {}
     if args.steps:
@@ -196,6 +210,12 @@ def main(argv=None) -> int:
             logp[f"{tuned_mode} (delta r{args.delta_rank})"] = answer_logprobs(with_delta, eval_rows, feats, "block")
             logp[f"full (delta r{args.delta_rank})"] = answer_logprobs(with_delta, eval_rows, feats, "full")
 
+    if tuned_loaded is not None:
+        feats = features_for(tuned_prefix).compute(eval_rows, desc="features (held-out rows)")
+        top = split_model(tuned_loaded.model, args.top_layers)[1]
+        logp[f"{tuned_mode} (tuned)"] = answer_logprobs(top, eval_rows, feats, "block")
+        logp["full (tuned)"] = answer_logprobs(top, eval_rows, feats, "full")
+        models["tuned"] = tuned_loaded.model
     ll = {name: answer_loglik(eval_rows, lp) for name, lp in logp.items()}
     base_gap = ll["full (base)"] - ll["block (base)"]
     rows, results = [], {}
@@ -212,8 +232,10 @@ def main(argv=None) -> int:
           f"random position among MiniLM hard negatives); gold-answer log-likelihood (nats)")
     print(table(["inference", "mean LL", "vs full (base) [95% CI]", "Wilcoxon p", "gap closed"], rows))
     if args.em_questions:
-        info["em"] = em_table(loaded, models, examples, heldout[:args.em_questions], eval_rows[:args.em_questions],
-                              args, dict.fromkeys(["none", *args.prefix, args.train_prefix]))
+        base_prefixes = list(dict.fromkeys(["none", *args.prefix, tuned_prefix]))
+        info["em"] = em_table(loaded, {name: (m, base_prefixes if name == "base" else [tuned_prefix])
+                                       for name, m in models.items()},
+                              examples, heldout[:args.em_questions], eval_rows[:args.em_questions], args)
     info["wall_seconds"] = time.perf_counter() - wall
     if args.out is not None:
         write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **info,
@@ -221,14 +243,30 @@ def main(argv=None) -> int:
     return 0
 
 
-def em_table(loaded, models: dict, examples, questions, rows, args, prefixes=("none",)) -> dict:
-    """Greedy answers of each model in full attention and in block attention with each of ``prefixes`` to ``rows``
-    (their blocks), best-subspan EM per question, printed with the exact McNemar test against full attention of the
-    base model; returns ``{condition: {"em", "only_this", "only_full_base", "p", "correct"}}``."""
+def same_bottom(base, tuned, top_layers: int) -> str | None:
+    """None when ``tuned`` has ``base``'s configuration and its bottom (all but the top ``top_layers`` layers,
+    embedding included) holds bit-identical weights, so the base's cached bottom outputs serve it; else what
+    differs, as a sentence fragment."""
+
+    if tuned.config != base.config:
+        return "has another configuration than --model"
+    b, t = (nnx.state(split_model(m, top_layers)[0], nnx.Param) for m in (base, tuned))
+    b, t = (jax.tree_util.tree_leaves_with_path({"embedding": x["embedding"], "layers": x["layers"]})
+            for x in (b, t))                                  # the bottom's final norm is not used by it
+    changed = [jax.tree_util.keystr(k) for (k, x), (_, y) in zip(b, t)
+               if not np.array_equal(np.asarray(x), np.asarray(y))]
+    return f"changes {changed[0]} below the top {top_layers} layers (raise --top-layers)" if changed else None
+
+
+def em_table(loaded, models: dict, examples, questions, rows, args) -> dict:
+    """Greedy answers to ``rows`` (their blocks) of each model of ``models`` (``{name: (model, prefixes)}``) in
+    full attention and in block attention with each of its ``prefixes``, best-subspan EM per question, printed with
+    the exact McNemar test against full attention of the ``"base"`` model; returns ``{condition: {"em",
+    "only_this", "only_full_base", "p", "correct"}}``."""
 
     prompts = [[list(b) for b in r.blocks] for r in rows]
     correct = {}
-    for name, model in models.items():
+    for name, (model, prefixes) in models.items():
         for mode, prefix in [("full", "none")] + [("block", p) for p in prefixes]:
             cond = f"{mode if prefix == 'none' else f'block + {prefix} prefix'} ({name})"
             t0 = time.perf_counter()

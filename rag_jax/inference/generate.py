@@ -104,6 +104,9 @@ def _generate(graphdef, state, tokens, segment_ids, positions, prefix, rng, *, m
     return jax.lax.while_loop(cond, body, carry)[5]
 
 
+PROMPT_MULTIPLE = 32  # prompt widths are padded to a multiple of this (tokens), within max_seq_len
+
+
 def _left_pad(prompts, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(prompts, (np.ndarray, jnp.ndarray)):
         arr = np.asarray(prompts)
@@ -181,6 +184,12 @@ def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.n
     if total > cfg.max_seq_len:
         raise ValueError(f"prefix ({prefix_len}) + prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) = "
                          f"{total} tokens exceeds max_seq_len={cfg.max_seq_len}")
+    # Left-pad to a multiple of PROMPT_MULTIPLE (never-attended slots, as for ragged rows): prompts of nearby
+    # lengths share one compiled decode loop instead of compiling one each.
+    width = min(-(-tokens.shape[1] // PROMPT_MULTIPLE) * PROMPT_MULTIPLE, cfg.max_seq_len - prefix_len - max_new_tokens)
+    if width > tokens.shape[1]:
+        extra = ((0, 0), (width - tokens.shape[1], 0))
+        tokens, segment_ids = np.pad(tokens, extra), np.pad(segment_ids, extra)
     start = np.zeros((tokens.shape[0], 1), np.int32)
     if kv_cache is not None:
         if kv_cache.k.shape[1] != tokens.shape[0]:
