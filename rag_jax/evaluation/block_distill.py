@@ -20,8 +20,12 @@ the tuned model is written as an HF folder ``<run>/model`` that ``--model`` acce
     rag-jax eval block_distill --ll-rows 100 --train-rows 160 --train-passages 5 --steps 80 --batch-size 4 \
         --top-layers 8                                                         # the first CPU run (README row)
 
+    rag-jax eval block_distill --ll-rows 500 --tuned smollm2-135m-instruct-block --prefix sink   # shipped model
+
 A rerun with the same arguments reuses every cached row and the finished run folder (it resumes when killed);
-``--em-questions N`` adds greedy answers of the first N rows in both modes with exact McNemar tests.
+``--tuned`` scores an already tuned model (in the block mode its folder or delta names) instead of training;
+``--em-questions N`` adds greedy answers of the first N rows in full and block modes with exact McNemar tests
+(before the log-likelihood rows when nothing is trained; ``--out`` is written after them too).
 """
 from __future__ import annotations
 
@@ -155,15 +159,30 @@ def main(argv=None) -> int:
     def features_for(prefix):
         return DistillFeatures(loaded.model, args.top_layers, prefix=prefix, cache_dir=args.cache_dir / "features")
 
+    tuned_mode = "block" if tuned_prefix == "none" else f"block + {tuned_prefix} prefix"
+    models = {"base": loaded.model, **({} if tuned_loaded is None else {"tuned": tuned_loaded.model})}
+    info: dict = {}
+
+    def write_out(results=None):
+        if args.out is not None:
+            write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **info,
+                                             "results": results}, indent=1, default=float))
+
+    def run_em():
+        base_prefixes = list(dict.fromkeys(["none", *args.prefix, tuned_prefix]))
+        info["em"] = em_table(loaded, {name: (m, base_prefixes if name == "base" else [tuned_prefix])
+                                       for name, m in models.items()},
+                              examples, heldout[:args.em_questions], eval_rows[:args.em_questions], args)
+        write_out()                                           # kept if the log-likelihood rows are cut short
+
+    if args.em_questions and not args.steps:
+        run_em()                                              # its models need no features: answers first
     plain = features_for("none").compute(eval_rows, desc="features (held-out rows)")
     logp = {"full (base)": [f["logp_full"] for f in plain], "block (base)": [f["logp_block"] for f in plain]}
     scored = args.steps or tuned_loaded is not None
     for name in dict.fromkeys(args.prefix + ([tuned_prefix] if scored and tuned_prefix != "none" else [])):
         rows = features_for(name).compute(eval_rows, desc=f"features (held-out rows, {name} prefix)")
         logp[f"block + {name} prefix (base)"] = [f["logp_block"] for f in rows]
-    tuned_mode = "block" if tuned_prefix == "none" else f"block + {tuned_prefix} prefix"
-    models = {"base": loaded.model}
-    info: dict = {}
     if args.steps:
         train_rows = build_rows(chat, eos, examples, texts, gold_ids, train_q,
                                 mine_negatives(emb, index, pool, examples, gold_ids, train_q, train_passages - 1),
@@ -215,7 +234,6 @@ def main(argv=None) -> int:
         top = split_model(tuned_loaded.model, args.top_layers)[1]
         logp[f"{tuned_mode} (tuned)"] = answer_logprobs(top, eval_rows, feats, "block")
         logp["full (tuned)"] = answer_logprobs(top, eval_rows, feats, "full")
-        models["tuned"] = tuned_loaded.model
     ll = {name: answer_loglik(eval_rows, lp) for name, lp in logp.items()}
     base_gap = ll["full (base)"] - ll["block (base)"]
     rows, results = [], {}
@@ -231,15 +249,10 @@ def main(argv=None) -> int:
     print(f"# {args.model}, NQ-open held-out: {len(eval_rows)} rows of {args.num_passages} passages (gold at a seeded "
           f"random position among MiniLM hard negatives); gold-answer log-likelihood (nats)")
     print(table(["inference", "mean LL", "vs full (base) [95% CI]", "Wilcoxon p", "gap closed"], rows))
-    if args.em_questions:
-        base_prefixes = list(dict.fromkeys(["none", *args.prefix, tuned_prefix]))
-        info["em"] = em_table(loaded, {name: (m, base_prefixes if name == "base" else [tuned_prefix])
-                                       for name, m in models.items()},
-                              examples, heldout[:args.em_questions], eval_rows[:args.em_questions], args)
+    if args.em_questions and args.steps:
+        run_em()
     info["wall_seconds"] = time.perf_counter() - wall
-    if args.out is not None:
-        write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **info,
-                                         "results": results}, indent=1, default=float))
+    write_out(results)
     return 0
 
 

@@ -77,15 +77,23 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _padded_forward(graphdef, state, tokens: np.ndarray, start: int, kv_cache, multiple: int, keep: int):
-    """``_forward`` of one row at positions ``start..``, right-padded to a multiple of ``multiple``.
+def _bucket(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` and of 1/8 of the largest power of two <= ``n``: at most
+    12.5% padding and eight compiled shapes per doubling of length (1,300 tokens -> 1,408)."""
+    return _round_up(n, max(multiple, (1 << max(n.bit_length() - 1, 0)) // 8))
+
+
+def _padded_forward(graphdef, state, tokens: np.ndarray, start: int, kv_cache, multiple: int, keep: int,
+                    width: int | None = None):
+    """``_forward`` of one row at positions ``start..``, right-padded to ``width`` tokens (default: the next
+    multiple of ``multiple``).
 
     Padding (``segment_ids`` 0) comes after the real tokens, so it changes nothing they see; it only
     bounds the number of compiled shapes. Returns (logits ``[keep, vocab]`` of the last ``keep`` real
     tokens, KV of the padded row: the n real tokens then empty slots).
     """
     n = tokens.size
-    width = _round_up(n, multiple)
+    width = _round_up(n, multiple) if width is None else width
     padded = np.zeros((1, width), np.int32)
     padded[0, :n] = tokens
     segment_ids = (np.arange(width) < n).astype(np.int32)[None]
@@ -182,7 +190,8 @@ class BlockAttention:
 
         def compute() -> KVSegment:
             cache = self.block_kv(prefix) if p else None
-            kv = _padded_forward(self.graphdef, self.state, block, p, cache, self.pad_multiple, keep=1)[1]
+            kv = _padded_forward(self.graphdef, self.state, block, p, cache, self.pad_multiple, keep=1,
+                                 width=_bucket(block.size, self.pad_multiple))[1]   # stored unpadded
             return kv.slice(0, block.size)
         namespace = STORE_NAMESPACE
         if p:
@@ -250,7 +259,8 @@ class BlockAttention:
         concatenated earlier blocks (exactly full attention, as a prefix cache). Caches are right-padded
         to a common length with empty slots (``segment_ids`` 0, never attended) and the core
         ``generate`` prefills the last blocks after them (positions continue after each row's last
-        cached position) and decodes. Padding to ``pad_multiple`` keeps the compiled shapes few.
+        cached position) and decodes. Cache widths are bucketed (at most 12.5% padding, multiples of
+        ``pad_multiple``) and prompts padded (``generate.PROMPT_MULTIPLE``), so compiled shapes stay few.
 
         Raises:
           ValueError: no prompts, or a prompt fails ``check_blocks`` (with ``max_new_tokens`` counted).
@@ -261,7 +271,9 @@ class BlockAttention:
         cached = [sum(b.size for b in p[:-1]) for p in checked]
         kv_cache = None
         if max(cached) > 0:
-            width = _round_up(max(cached), self.pad_multiple)
+            # Bucketed cache width: batches of similar prompts share compiled shapes; within max_seq_len.
+            room = self.config.max_seq_len - max_new_tokens - max(p[-1].size for p in checked)
+            width = max(min(_bucket(max(cached), self.pad_multiple), room), _round_up(max(cached), self.pad_multiple))
             rows = [self.assemble(p[:-1], width) if mode == "block" else self._full_prefix(p[:-1], width)
                     for p in checked]
             kv_cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1 if xs[0].ndim == 5 else 0), *rows)
@@ -274,8 +286,9 @@ class BlockAttention:
         cfg = self.config
         if not blocks:
             return KVSegment.empty(cfg.num_layers, 1, width, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        kv = _padded_forward(self.graphdef, self.state, np.concatenate(blocks), 0, None, self.pad_multiple, keep=1)[1]
-        if kv.length == width:
+        kv = _padded_forward(self.graphdef, self.state, np.concatenate(blocks), 0, None, self.pad_multiple, keep=1,
+                             width=width)[1]
+        if kv.length == width:                                # one forward of the cache's own width
             return kv
         return KVSegment.concat([kv, KVSegment.empty(cfg.num_layers, 1, width - kv.length, cfg.num_kv_heads,
                                                      cfg.head_dim, self.dtype)])

@@ -167,6 +167,9 @@ def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.n
       kv_cache: optional prefix ``KVSegment`` (batch matching the prompts) attended before the prompt;
         prompt positions continue from each row's last prefix position + 1.
 
+    Prompts are left-padded to a multiple of ``PROMPT_MULTIPLE`` tokens (within ``max_seq_len``) with
+    never-attended slots, so batches of nearby prompt lengths reuse one compiled decode loop.
+
     Returns: int32 NumPy ``[batch, max_new_tokens]``.
     Raises: ValueError for empty prompts, token ids outside the vocabulary, bad sampling parameters, or
       prefix + prompt + new tokens longer than ``max_seq_len``.
