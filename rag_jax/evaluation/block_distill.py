@@ -84,6 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--train-rows", type=integer(1), default=400)
     p.add_argument("--train-passages", type=integer(1), default=None, help="passages per training row "
                    "(default --num-passages)")
+    p.add_argument("--train-max-passage", type=integer(16), default=None,
+                   help="drop training rows with a passage longer than this many tokens: the block pass pads "
+                        "every passage to the longest one (NQ: mean 127, max 457 tokens; 256 halves the padded slots)")
     p.add_argument("--top-layers", type=integer(1), default=d.top_layers)
     p.add_argument("--steps", type=integer(0), default=0, help="distillation steps; 0 = base model only")
     p.add_argument("--batch-size", type=integer(1), default=d.batch_size, help="rows per step")
@@ -187,6 +190,14 @@ def main(argv=None) -> int:
         train_rows = build_rows(chat, eos, examples, texts, gold_ids, train_q,
                                 mine_negatives(emb, index, pool, examples, gold_ids, train_q, train_passages - 1),
                                 args.seed + 2)
+        if args.train_max_passage:
+            kept = [r for r in train_rows if max(map(len, r.blocks[1:-1]), default=0) <= args.train_max_passage]
+            print(f"training rows: {len(kept)} of {len(train_rows)} have no passage over {args.train_max_passage} "
+                  "tokens", flush=True)
+            if not kept:
+                p.error(f"argument --train-max-passage: no training row has every passage within "
+                        f"{args.train_max_passage} tokens")
+            train_rows = kept
         seq_len = args.seq_len or max(r.num_tokens for r in train_rows)
         features = features_for(args.train_prefix)
         feats = features.compute(eval_rows, desc="features (held-out rows)")
@@ -197,7 +208,8 @@ def main(argv=None) -> int:
                             full_weight=args.full_weight, learning_rate=args.lr, warmup_steps=args.warmup,
                             seed=args.seed, save_every=max(1, min(25, args.steps)))
         recipe = {"model": str(args.model), "data": str(args.data), "heldout": args.heldout, "seed": args.seed,
-                  "train_rows": args.train_rows, "train_passages": train_passages, **dataclasses.asdict(cfg)}
+                  "train_rows": args.train_rows, "train_passages": train_passages, **dataclasses.asdict(cfg),
+                  **({"train_max_passage": args.train_max_passage} if args.train_max_passage else {})}
         run_dir = args.cache_dir / f"run_{hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]}"
         print(f"distillation: {len(train_rows)} rows, {np.mean([len(r.blocks) - 2 for r in train_rows]):.1f} "
               f"passages and {np.mean([r.num_tokens for r in train_rows]):.0f} tokens per row; {cfg}; {run_dir}",
