@@ -36,7 +36,7 @@ import hashlib
 import numpy as np
 from flax import nnx
 
-from rag_jax.inference.block_prefix import prefix_length
+from rag_jax.inference.block_prefix import bucket_length, prefix_length
 from rag_jax.inference.generate import generate as core_generate
 from rag_jax.inference.kv_store import KVStore, WeightsFingerprint
 from rag_jax.model import KVSegment, Transformer
@@ -75,12 +75,6 @@ def _forward(graphdef, state, tokens, positions, segment_ids, kv_cache, keep_fro
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _bucket(n: int, multiple: int) -> int:
-    """``n`` rounded up to a multiple of ``multiple`` and of 1/8 of the largest power of two <= ``n``: at most
-    12.5% padding and eight compiled shapes per doubling of length (1,300 tokens -> 1,408)."""
-    return _round_up(n, max(multiple, (1 << max(n.bit_length() - 1, 0)) // 8))
 
 
 def _padded_forward(graphdef, state, tokens: np.ndarray, start: int, kv_cache, multiple: int, keep: int,
@@ -191,7 +185,7 @@ class BlockAttention:
         def compute() -> KVSegment:
             cache = self.block_kv(prefix) if p else None
             kv = _padded_forward(self.graphdef, self.state, block, p, cache, self.pad_multiple, keep=1,
-                                 width=_bucket(block.size, self.pad_multiple))[1]   # stored unpadded
+                                 width=bucket_length(block.size, self.pad_multiple))[1]   # stored unpadded
             return kv.slice(0, block.size)
         namespace = STORE_NAMESPACE
         if p:
@@ -273,7 +267,8 @@ class BlockAttention:
         if max(cached) > 0:
             # Bucketed cache width: batches of similar prompts share compiled shapes; within max_seq_len.
             room = self.config.max_seq_len - max_new_tokens - max(p[-1].size for p in checked)
-            width = max(min(_bucket(max(cached), self.pad_multiple), room), _round_up(max(cached), self.pad_multiple))
+            least = _round_up(max(cached), self.pad_multiple)
+            width = max(min(bucket_length(max(cached), self.pad_multiple), room), least)
             rows = [self.assemble(p[:-1], width) if mode == "block" else self._full_prefix(p[:-1], width)
                     for p in checked]
             kv_cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1 if xs[0].ndim == 5 else 0), *rows)

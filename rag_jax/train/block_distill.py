@@ -41,7 +41,8 @@ from flax import nnx
 from rag_jax.atomic import write_bytes
 from rag_jax.data.block_rag import BlockExample
 from rag_jax.data.pipeline import DataConfig
-from rag_jax.inference.block_prefix import block_parts, part_shapes, prefix_block_residuals, prefix_length
+from rag_jax.inference.block_prefix import (block_parts, bucket_length, part_shapes, prefix_block_residuals,
+                                            prefix_length)
 from rag_jax.inference.kv_store import model_fingerprint
 from rag_jax.model.hf import save_hf
 from rag_jax.progress import progress_bar
@@ -258,12 +259,12 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _row_width(n: int, max_seq_len: int) -> int:
     """Padded row length: a multiple of 256 tokens (few compiled shapes), at most the model's maximum."""
-    return min(_round_up(n, 256), max(n, max_seq_len))
+    return min(bucket_length(n, 256), max(n, max_seq_len))
 
 
 def _passage_width(n: int) -> int:
-    """Padded passage length: a multiple of 64 tokens up to 256, of 128 above (few compiled shapes)."""
-    return _round_up(n, 64) if n <= 256 else _round_up(n, 128)
+    """Padded passage length: ``bucket_length(n, 64)`` (few compiled shapes)."""
+    return bucket_length(n, 64)
 
 
 def shape_batches(examples: Sequence[BlockExample], batch_size: int, max_seq_len: int):
