@@ -285,3 +285,42 @@ def test_shape_batches_cover_every_example_once_in_shapes_that_hold_it():
         longest = max(len(b) for i in idx for b in examples[i].blocks[1:-1] or [[0]])
         assert width % 256 == 0 and width >= max(examples[i].num_tokens for i in idx)
         assert shapes["passage_len"] - longest < (64 if longest <= 256 else 128)
+
+
+def test_em_table_scores_greedy_replies_and_its_reply_cache_is_keyed_by_the_weights(tmp_path, monkeypatch):
+    """``em_table``: per condition, best-subspan EM of the greedy replies (as ``generate_answers`` gives them one
+    prompt at a time), McNemar against full (base); a rerun is answered from ``em_replies.json`` without
+    generating, and a model with other weights generates again."""
+    from types import SimpleNamespace
+
+    from rag_jax.evaluation import block_distill as bd
+    from rag_jax.evaluation.rag import generate_answers
+    from rag_jax.inference.block_attention import BlockAttention
+    from rag_jax.metrics import best_subspan_em
+
+    loaded = LoadedModel(CFG, _model(11), "LlamaForCausalLM", byte_tokenizer(), TEMPLATE, (10,),
+                         {"eos_token": "\n"}, Path("tiny-chat"))
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    rows = [BlockExample([rng.integers(32, 120, int(n)).tolist() for n in rng.integers(3, 12, 3)], (65, 10))
+            for _ in range(5)]
+    direct = {mode: [generate_answers(BlockAttention(loaded.model), loaded.tokenizer, [r.blocks], mode=mode,
+                                      max_new_tokens=4, batch_size=1, eos_id=(10,))[0] for r in rows]
+              for mode in ("full", "block")}
+    examples = [SimpleNamespace(answers=(direct["full"][i][:2] or "zz",) if i % 2 else ("zz",)) for i in range(5)]
+    args = SimpleNamespace(max_new_tokens=4, em_batch_size=3, cache_dir=tmp_path)
+    out = bd.em_table(loaded, {"base": (loaded.model, ["none"])}, examples, list(range(5)), rows, args)
+    assert out["full (base)"]["replies"] == direct["full"]
+    assert out["block (base)"]["replies"] == direct["block"]
+    for cond, mode in (("full (base)", "full"), ("block (base)", "block")):
+        expect = [bool(best_subspan_em(r, e.answers)) for e, r in zip(examples, direct[mode])]
+        assert out[cond]["correct"] == expect and out[cond]["em"] == pytest.approx(np.mean(expect))
+    assert 0 < sum(out["full (base)"]["correct"]) < 5
+    calls = []
+    monkeypatch.setattr(bd, "generate_answers", lambda ba, tok, prompts, **k: calls.append(len(prompts)) or
+                        ["x"] * len(prompts))
+    assert bd.em_table(loaded, {"base": (loaded.model, ["none"])}, examples, list(range(5)), rows, args) == out
+    assert not calls                                                    # every reply from the cache
+    other = LoadedModel(CFG, _model(12), "LlamaForCausalLM", byte_tokenizer(), TEMPLATE, (10,),
+                        {"eos_token": "\n"}, Path("tiny-chat"))
+    again = bd.em_table(other, {"base": (other.model, ["none"])}, examples, list(range(5)), rows, args)
+    assert calls == [5, 5] and again["full (base)"]["replies"] == ["x"] * 5   # other weights: generated again

@@ -195,8 +195,8 @@ def test_own_reply_targets_are_the_base_models_complete_greedy_replies(tmp_path)
     rng = np.random.default_rng(3)
     rows = [BlockExample([rng.integers(32, 120, int(n)).tolist() for n in rng.integers(3, 30, 4)], (65, 10))
             for _ in range(12)]
-    args = SimpleNamespace(model="tiny", target_tokens=8, batch_size=5, targets_cache=tmp_path / "replies.json")
-    out = block_nq.own_reply_examples(loaded, rows, args)
+    args = dict(model_key="tiny", max_tokens=8, batch_size=5, cache=tmp_path / "replies.json")
+    out = block_nq.own_reply_examples(loaded, rows, **args)
     ba = BlockAttention(loaded.model, pad_multiple=128)                # one compiled prompt shape
     expected = []
     for r in rows:
@@ -206,5 +206,5 @@ def test_own_reply_targets_are_the_base_models_complete_greedy_replies(tmp_path)
             expected.append(BlockExample(r.blocks, (*encode(loaded.tokenizer, reply), 10)))
     assert 0 < len(expected) < len(rows)
     assert out == expected
-    again = block_nq.own_reply_examples(dataclasses.replace(loaded, model=None), rows, args)  # no model: cache only
+    again = block_nq.own_reply_examples(dataclasses.replace(loaded, model=None), rows, **args)  # no model: cache only
     assert again == expected

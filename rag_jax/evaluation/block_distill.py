@@ -44,12 +44,13 @@ from rag_jax.atomic import write_text
 from rag_jax.data.chat_blocks import ChatBlocks
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
 from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, names, output_file, real
-from rag_jax.evaluation.block_nq import heldout_split, mine_negatives, training_examples
-from rag_jax.evaluation.rag import generate_answers, score_answer
+from rag_jax.evaluation.block_nq import heldout_split, mine_negatives, own_reply_examples, training_examples
+from rag_jax.evaluation.rag import generate_answers, memo_json, score_answer
 from rag_jax.evaluation.stats import mcnemar, paired_difference
 from rag_jax.evaluation.tables import table
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.block_prefix import PREFIXES
+from rag_jax.inference.kv_store import model_fingerprint
 from rag_jax.model.delta import apply_delta, low_rank_delta, relative_error, save_delta
 from rag_jax.model.load import load_model
 from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
@@ -87,6 +88,11 @@ def main(argv=None) -> int:
     p.add_argument("--train-max-passage", type=integer(16), default=None,
                    help="drop training rows with a passage longer than this many tokens: the block pass pads "
                         "every passage to the longest one (NQ: mean 127, max 457 tokens; 256 halves the padded slots)")
+    p.add_argument("--targets", choices=("gold", "own"), default="gold",
+                   help="training responses: the first gold answer, or the base model's own greedy full-attention "
+                        "reply (the positions greedy decoding visits; rows whose reply is cut at --target-tokens "
+                        "are dropped; replies cached in --cache-dir)")
+    p.add_argument("--target-tokens", type=integer(1), default=48, help="with --targets own: reply cap (tokens)")
     p.add_argument("--top-layers", type=integer(1), default=d.top_layers)
     p.add_argument("--steps", type=integer(0), default=0, help="distillation steps; 0 = base model only")
     p.add_argument("--batch-size", type=integer(1), default=d.batch_size, help="rows per step")
@@ -172,7 +178,7 @@ def main(argv=None) -> int:
                                              "results": results}, indent=1, default=float))
 
     def run_em():
-        base_prefixes = list(dict.fromkeys(["none", *args.prefix, tuned_prefix]))
+        base_prefixes = list(dict.fromkeys(["none", *args.prefix]))       # --prefix: training-free rows
         info["em"] = em_table(loaded, {name: (m, base_prefixes if name == "base" else [tuned_prefix])
                                        for name, m in models.items()},
                               examples, heldout[:args.em_questions], eval_rows[:args.em_questions], args)
@@ -198,6 +204,10 @@ def main(argv=None) -> int:
                 p.error(f"argument --train-max-passage: no training row has every passage within "
                         f"{args.train_max_passage} tokens")
             train_rows = kept
+        if args.targets == "own":
+            train_rows = own_reply_examples(loaded, train_rows, model_key=str(args.model),
+                                            max_tokens=args.target_tokens, batch_size=args.em_batch_size,
+                                            cache=args.cache_dir / "own_replies.json")
         seq_len = args.seq_len or max(r.num_tokens for r in train_rows)
         features = features_for(args.train_prefix)
         feats = features.compute(eval_rows, desc="features (held-out rows)")
@@ -209,7 +219,8 @@ def main(argv=None) -> int:
                             seed=args.seed, save_every=max(1, min(25, args.steps)))
         recipe = {"model": str(args.model), "data": str(args.data), "heldout": args.heldout, "seed": args.seed,
                   "train_rows": args.train_rows, "train_passages": train_passages, **dataclasses.asdict(cfg),
-                  **({"train_max_passage": args.train_max_passage} if args.train_max_passage else {})}
+                  **({"train_max_passage": args.train_max_passage} if args.train_max_passage else {}),
+                  **({"targets": "own", "target_tokens": args.target_tokens} if args.targets == "own" else {})}
         run_dir = args.cache_dir / f"run_{hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]}"
         print(f"distillation: {len(train_rows)} rows, {np.mean([len(r.blocks) - 2 for r in train_rows]):.1f} "
               f"passages and {np.mean([r.num_tokens for r in train_rows]):.0f} tokens per row; {cfg}; {run_dir}",
@@ -287,25 +298,33 @@ def em_table(loaded, models: dict, examples, questions, rows, args) -> dict:
     """Greedy answers to ``rows`` (their blocks) of each model of ``models`` (``{name: (model, prefixes)}``) in
     full attention and in block attention with each of its ``prefixes``, best-subspan EM per question, printed with
     the exact McNemar test against full attention of the ``"base"`` model; returns ``{condition: {"em",
-    "only_this", "only_full_base", "p", "correct"}}``."""
+    "only_this", "only_full_base", "p", "correct", "replies"}}`` (``replies``: the greedy answer strings). Replies are kept in
+    ``<args.cache_dir>/em_replies.json``, keyed by a hash of the model's weights, the mode, the prompt and the
+    decoding settings: a rerun, or another run sharing a model and condition, generates nothing again."""
 
-    prompts = [[list(b) for b in r.blocks] for r in rows]
-    correct = {}
+    prompts = [[list(map(int, b)) for b in r.blocks] for r in rows]
+    eos = tuple(loaded.eos_ids)
+    correct, replies = {}, {}
     for name, (model, prefixes) in models.items():
+        fingerprint = model_fingerprint(model, model.config)
         for mode, prefix in [("full", "none")] + [("block", p) for p in prefixes]:
             cond = f"{mode if prefix == 'none' else f'block + {prefix} prefix'} ({name})"
             t0 = time.perf_counter()
-            preds = generate_answers(BlockAttention(model, prefix=prefix), loaded.tokenizer, prompts, mode=mode,
-                                     max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size,
-                                     eos_id=loaded.eos_ids)
+            keys = [hashlib.sha256(json.dumps([fingerprint, mode, prefix, args.max_new_tokens, list(map(int, eos)),
+                                               b]).encode()).hexdigest() for b in prompts]
+            by_key = dict(zip(keys, prompts))
+            preds = memo_json(args.cache_dir / "em_replies.json", keys, lambda todo: generate_answers(
+                BlockAttention(model, prefix=prefix), loaded.tokenizer, [by_key[k] for k in todo], mode=mode,
+                max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size, eos_id=eos))
             correct[cond] = [bool(score_answer(pr, examples[i].answers, golds_are_set=False)["subspan_em"])
                              for pr, i in zip(preds, questions)]
+            replies[cond] = list(preds)
             print(f"  {cond}: EM {np.mean(correct[cond]):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     out, table_rows = {}, []
     for cond, c in correct.items():
         only, only_base, pval = mcnemar(c, correct["full (base)"])
         out[cond] = {"em": float(np.mean(c)), "only_this": only, "only_full_base": only_base, "p": pval,
-                     "correct": c}
+                     "correct": c, "replies": replies[cond]}
         table_rows.append([cond, f"{np.mean(c):.3f}", "" if cond == "full (base)" else f"{only} vs {only_base}",
                            "" if cond == "full (base)" else f"{pval:.2g}"])
     print(f"# best-subspan EM, {len(rows)} held-out questions (gold at a seeded random position)")

@@ -139,21 +139,21 @@ def training_examples(chat, eos_id: int, examples, texts, gold_ids, questions, n
     return out, dropped
 
 
-def own_reply_examples(loaded, rows, args) -> list:
+def own_reply_examples(loaded, rows, *, model_key: str, max_tokens: int, batch_size: int, cache=None) -> list:
     """``rows`` (``BlockExample``) with the base model's own greedy full-attention reply to each prompt as the
-    response (+ end of turn), dropping rows whose reply is empty or was cut at ``args.target_tokens``. Trained on
+    response (+ end of turn), dropping rows whose reply is empty or was cut at ``max_tokens``. Trained on
     these, block mode learns to answer as full attention does and full mode keeps its reply style (gold NQ
     answers are terser than this chat model's replies: trained on them, the model learned the format before
-    the content). Replies are kept in ``args.targets_cache`` when set."""
+    the content). Replies are kept in the JSON file ``cache`` when set, keyed by ``model_key`` (the model's
+    name or path), ``max_tokens`` and the prompt; ``batch_size`` prompts per generate call."""
 
-    keys = [json.dumps([str(args.model), args.target_tokens, r.blocks]) for r in rows]
-    replies = memo_json(args.targets_cache, keys, lambda todo: greedy_replies(
-        loaded, loaded.model, [json.loads(k)[2] for k in todo], max_new_tokens=args.target_tokens,
-        batch_size=args.batch_size))
-    ok = complete_replies(loaded.tokenizer, replies, args.target_tokens)
+    keys = [json.dumps([model_key, max_tokens, r.blocks]) for r in rows]
+    replies = memo_json(cache, keys, lambda todo: greedy_replies(
+        loaded, loaded.model, [json.loads(k)[2] for k in todo], max_new_tokens=max_tokens, batch_size=batch_size))
+    ok = complete_replies(loaded.tokenizer, replies, max_tokens)
     out = [BlockExample(r.blocks, (*encode(loaded.tokenizer, t), loaded.eos_ids[0]))
            for r, t, k in zip(rows, replies, ok) if k and t.strip()]
-    print(f"base-model targets: {len(out)} of {len(rows)} rows kept (reply complete within {args.target_tokens} "
+    print(f"base-model targets: {len(out)} of {len(rows)} rows kept (reply complete within {max_tokens} "
           f"tokens)", flush=True)
     return out
 
@@ -240,7 +240,9 @@ def main(argv=None) -> int:
                                           finetune_cfg.seq_len - (args.target_tokens + 1 if base_targets else 0),
                                           args.seed)
         if base_targets:
-            rows = own_reply_examples(loaded, rows[:int(wanted * SPARE)], args)
+            rows = own_reply_examples(loaded, rows[:int(wanted * SPARE)], model_key=str(args.model),
+                                      max_tokens=args.target_tokens, batch_size=args.batch_size,
+                                      cache=args.targets_cache)
         rows = rows[:wanted]
         print(f"fine-tuning: {len(rows)} training questions ({dropped} dropped: gold passage alone > "
               f"{finetune_cfg.seq_len} tokens), {np.mean([len(r.blocks) - 2 for r in rows]):.1f} passages and "

@@ -132,16 +132,20 @@ def ranked_metrics(ranked, gold: Sequence[Sequence[int]], hops: Sequence[int], k
 
 def generate_answers(block_attention, tokenizer, prompts: Sequence[Sequence[Sequence[int]]], *, mode: str,
                      max_new_tokens: int, batch_size: int, eos_id: int | Sequence[int] | None = None) -> list[str]:
-    """Greedy answers (text up to the first end id) for block prompts via ``BlockAttention.generate``.
+    """Greedy answers (text up to the first end id) for block prompts via ``BlockAttention.generate``, in input
+    order; prompts of similar length are batched together (less padding, fewer compiled widths).
 
     ``eos_id``: the id(s) that end an answer; default the demo tokenizer's ``<eos>``.
     """
     eos = eos_tuple(tokenizer.token_to_id(EOS) if eos_id is None else eos_id)
-    rows = []
+    order = np.argsort([sum(map(len, b)) for b in prompts], kind="stable")
+    rows = [None] * len(prompts)
     for i in range(0, len(prompts), batch_size):
-        out = block_attention.generate(prompts[i:i + batch_size], max_new_tokens=max_new_tokens, mode=mode,
+        batch = order[i:i + batch_size]
+        out = block_attention.generate([prompts[j] for j in batch], max_new_tokens=max_new_tokens, mode=mode,
                                        eos_id=eos)
-        rows.extend(np.asarray(out).tolist())
+        for j, r in zip(batch, np.asarray(out).tolist()):
+            rows[j] = r
     cut = [next((j for j, t in enumerate(r) if t in eos), len(r)) for r in rows]
     return [tokenizer.decode(r[:n], skip_special_tokens=True).strip() for r, n in zip(rows, cut)]
 
@@ -149,15 +153,9 @@ def generate_answers(block_attention, tokenizer, prompts: Sequence[Sequence[Sequ
 def greedy_replies(loaded, model, prompts: Sequence[Sequence[Sequence[int]]], *, max_new_tokens: int,
                    batch_size: int) -> list[str]:
     """Greedy full-attention replies of ``model`` (with ``loaded``'s tokenizer and end-of-turn ids) to chat prompts
-    given as blocks of token ids (``rag_jax.data.chat_blocks.ChatBlocks.blocks``), in input order; prompts of
-    similar length are batched together (less padding)."""
-    order = np.argsort([sum(map(len, b)) for b in prompts], kind="stable")
-    preds = generate_answers(BlockAttention(model), loaded.tokenizer, [prompts[i] for i in order], mode="full",
-                             max_new_tokens=max_new_tokens, batch_size=batch_size, eos_id=loaded.eos_ids)
-    out = [""] * len(prompts)
-    for i, pred in zip(order, preds):
-        out[i] = pred
-    return out
+    given as blocks of token ids (``rag_jax.data.chat_blocks.ChatBlocks.blocks``), in input order."""
+    return generate_answers(BlockAttention(model), loaded.tokenizer, prompts, mode="full",
+                            max_new_tokens=max_new_tokens, batch_size=batch_size, eos_id=loaded.eos_ids)
 
 
 def complete_replies(tokenizer, replies: Sequence[str], max_new_tokens: int) -> list[bool]:
