@@ -82,3 +82,41 @@ def test_byte_tokenizer_ids_are_utf8_bytes(tmp_path):
     ids = tok.encode(text).ids
     assert ids == list(text.encode("utf-8"))
     assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_step_equals_the_whole_sequence_forward(window):
+    """``Transformer.decode`` over a ``DecodeCache`` (keys rotated once, heads first) gives the logits of the
+    whole-sequence causal forward at each new token, for left-padded ragged rows and with sliding-window
+    layers; the cache it returns holds the new token's rotated key at its slot."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from rag_jax.inference.generate import prefill
+    from rag_jax.model.kv import DecodeCache
+    from rag_jax.model.rope import apply_rope
+
+    cfg = dataclasses.replace(ModelConfig.tiny(vocab_size=200, max_seq_len=96), sliding_window=window,
+                              dtype="float32")
+    m = Transformer(cfg, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 20))))
+    rng = np.random.default_rng()
+    b, s, new = 3, 12, 4
+    tokens = rng.integers(0, 200, (b, s + new)).astype(np.int32)
+    pad = np.array([0, 3, 7])                                        # left padding per row
+    seg = (np.arange(s + new)[None] >= pad[:, None]).astype(np.int32)
+    pos = np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32)
+    whole = m(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg)).logits
+    logits, cache, slot = prefill(m, jnp.asarray(tokens[:, :s]), jnp.asarray(pos[:, :s]), jnp.asarray(seg[:, :s]),
+                                  None, new)
+    assert isinstance(cache, DecodeCache) and slot == s and cache.length == s + new
+    np.testing.assert_allclose(logits, whole[:, s - 1], atol=2e-5, rtol=2e-5)
+    step = jax.jit(lambda c, t, p, i: m.decode(t, p, c, i))
+    for t in range(new):
+        logits, cache = step(cache, jnp.asarray(tokens[:, s + t]), jnp.asarray(pos[:, s + t]), jnp.int32(s + t))
+        np.testing.assert_allclose(logits, whole[:, s + t], atol=2e-5, rtol=2e-5)
+    x = m(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg)).kv.k[-1][:, -1:]   # pre-RoPE key
+    np.testing.assert_allclose(np.asarray(cache.k[-1])[:, :, -1], np.asarray(apply_rope(
+        x, jnp.asarray(pos[:, -1:]), m.inv_freq))[:, 0], atol=1e-5)
+    np.testing.assert_array_equal(cache.segment_ids, (np.arange(s + new)[None] >= pad[:, None]))

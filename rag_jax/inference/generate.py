@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rag_jax.model.kv import KVSegment
+from rag_jax.model.kv import DecodeCache, KVSegment
 from rag_jax.model.transformer import Transformer
 from rag_jax.tokenizer import eos_tuple
 
@@ -45,34 +45,27 @@ def sample_logits(logits, rng, *, temperature: float = 0.0, top_k: int | None = 
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def decode_step(model: Transformer, cache: KVSegment, tokens, positions, slot):
-    """Run one new token per row and write its KV into ``cache`` at ``slot``.
+def decode_step(model: Transformer, cache: DecodeCache, tokens, positions, slot):
+    """Run one new token per row and write its KV into ``cache`` at ``slot`` (``Transformer.decode``).
 
-    tokens, positions: int32 ``[batch]``; cache: a fixed-size ``KVSegment`` whose slot ``slot`` is empty.
+    tokens, positions: int32 ``[batch]``; cache: a fixed-size ``DecodeCache`` whose slot ``slot`` is empty.
     Returns ``(logits float32 [batch, vocab], updated cache)``.
     """
-    batch = tokens.shape[0]
-    ones = jnp.ones((batch, 1), jnp.int32)
-    step = model(tokens[:, None], positions[:, None], ones, mode="causal", kv_cache=cache)
-    cache = KVSegment(
-        k=jax.lax.dynamic_update_slice_in_dim(cache.k, step.kv.k.astype(cache.k.dtype), slot, axis=2),
-        v=jax.lax.dynamic_update_slice_in_dim(cache.v, step.kv.v.astype(cache.v.dtype), slot, axis=2),
-        positions=jax.lax.dynamic_update_slice_in_dim(cache.positions, positions[:, None], slot, axis=1),
-        segment_ids=jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, ones, slot, axis=1))
-    return step.logits[:, -1], cache
+    return model.decode(tokens, positions, cache, slot)
 
 
 def prefill(model: Transformer, tokens, positions, segment_ids, prefix: KVSegment | None, max_new_tokens: int):
-    """Prompt forward + a cache with ``max_new_tokens`` empty slots after it.
+    """Prompt forward + a decode cache with ``max_new_tokens`` empty slots after it.
 
-    Returns ``(last logits float32 [batch, vocab], cache KVSegment, index of the first empty slot)``.
+    Returns ``(last logits float32 [batch, vocab], cache DecodeCache, index of the first empty slot)``.
     """
     cfg = model.config
     out = model(tokens, positions, segment_ids, mode="causal", kv_cache=prefix)
     empty = KVSegment.empty(cfg.num_layers, tokens.shape[0], max_new_tokens, cfg.num_kv_heads, cfg.head_dim,
                             out.kv.k.dtype)
-    cache = KVSegment.concat(([prefix] if prefix is not None else []) + [out.kv, empty])
-    return out.logits[:, -1], cache, cache.length - max_new_tokens
+    cache = KVSegment.concat(([prefix.replace(k=prefix.k.astype(out.kv.k.dtype), v=prefix.v.astype(out.kv.v.dtype))]
+                              if prefix is not None else []) + [out.kv, empty])
+    return out.logits[:, -1], DecodeCache.from_segment(cache, model.inv_freq), cache.length - max_new_tokens
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "temperature", "top_k", "top_p"))

@@ -12,6 +12,9 @@ array (the dense path only). Implementations (``ATTENTION_IMPLS``):
 - ``auto``: cudnn on GPU, splash on TPU, and on CPU dense up to ``AUTO_DENSE_MAX_PAIRS`` (query, key)
   pairs per head, blockwise beyond.
 
+``attend_cache`` is the dense path on a heads-first decode cache (``kv.DecodeCache``): one query per row
+over a long cache, where transposing the cached keys every step would cost more than attending them.
+
 ``attend_joint`` computes several (q, k, v, mask) groups under ONE softmax — EM-LLM's joint softmax over
 the local window and retrieved memory (Fountas et al., ICLR 2025, §3.3, following InfLLM), where each
 group may use a different query rotation. On the kernel paths each group runs separately and the
@@ -62,17 +65,16 @@ def resolve_impl(impl: str, q_len: int, kv_len: int, backend: str | None = None)
     return "dense" if pairs <= AUTO_DENSE_MAX_PAIRS or short else "blockwise"
 
 
-def _group_logits(q, k, mask):
-    """q ``[b, q_len, num_heads, head_dim]``, k ``[b, kv_len, num_kv_heads, head_dim]`` ->
+def _group_logits(q, kt, mask):
+    """q ``[b, q_len, num_heads, head_dim]``, kt ``[b, num_kv_heads, kv_len, head_dim]`` (heads first) ->
     float32 logits ``[b, num_kv_heads, group, q_len, kv_len]`` (masked, scaled by 1/sqrt(head_dim)).
 
     The query heads of a KV head and their positions form one ``group * q_len`` row dimension of a
     single matmul per KV head (fast for a short last block over a long cache, Block-Attention's TTFT)."""
-    num_kv_heads, q_len = k.shape[2], q.shape[1]
+    num_kv_heads, q_len = kt.shape[1], q.shape[1]
     if q.shape[2] % num_kv_heads:
         raise ValueError(f"num_heads={q.shape[2]} must be a multiple of num_kv_heads={num_kv_heads}")
     qg = einops.rearrange(q, "b q (h g) d -> b h (g q) d", h=num_kv_heads)
-    kt = einops.rearrange(k, "b k h d -> b h k d")
     logits = jnp.einsum("bhmd,bhkd->bhmk", qg, kt, preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
     logits = einops.rearrange(logits, "b h (g q) k -> b h g q k", q=q_len)
     return jnp.where(mask[:, None, None, :, :], logits, MASK_VALUE)
@@ -82,20 +84,38 @@ def _dense_mask(mask):
     return mask.dense() if isinstance(mask, MaskSpec) else mask
 
 
+def _heads_first(x):
+    return einops.rearrange(x, "b k h d -> b h k d")
+
+
 def _dense_joint(groups, return_weights):
-    """Softmax normalized after the value matmul (``exp(s - max) @ v / sum``): one pass less over the
+    """The dense reference on token-major k/v (``attend_joint``'s layout)."""
+    return _dense_heads_first([(q, _heads_first(k), _heads_first(v), m) for q, k, v, m in groups], return_weights)
+
+
+def _dense_heads_first(groups, return_weights):
+    """Dense joint softmax over groups ``(q, kt, vt, mask)`` with ``kt``/``vt [b, num_kv_heads, kv_len, d]``.
+    Softmax normalized after the value matmul (``exp(s - max) @ v / sum``): one pass less over the
     ``[q, kv]`` weights. A fully masked row (max = ``MASK_VALUE``) divides by infinity: zero output."""
-    logits = jnp.concatenate([_group_logits(q, k, _dense_mask(m)) for q, k, _, m in groups], axis=-1)
+    logits = jnp.concatenate([_group_logits(q, kt, _dense_mask(m)) for q, kt, _, m in groups], axis=-1)
     row_max = logits.max(-1, keepdims=True)
     e = jnp.exp(logits - row_max)
     total = jnp.where(row_max > MASK_VALUE / 2, e.sum(-1, keepdims=True), jnp.inf)
-    v = einops.rearrange(jnp.concatenate([g[2] for g in groups], axis=1), "b k h d -> b h k d")
+    v = jnp.concatenate([g[2] for g in groups], axis=2)
     q_len = groups[0][0].shape[1]
     out = jnp.einsum("bhmk,bhkd->bhmd", einops.rearrange(e, "b h g q k -> b h (g q) k").astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     out = einops.rearrange(out, "b h (g q) d -> b h g q d", q=q_len) / total
     out = einops.rearrange(out, "b h g q d -> b q (h g) d").astype(groups[0][0].dtype)
     return (out, e / total) if return_weights else out
+
+
+def attend_cache(q, kt, vt, mask) -> jnp.ndarray:
+    """Attention of a few new queries over a heads-first decode cache (``kv.DecodeCache``), dense on every
+    backend: q ``[batch, q_len, num_heads, head_dim]`` (rotated), kt/vt ``[batch, num_kv_heads, kv_len,
+    head_dim]`` (kt rotated), mask a ``MaskSpec`` or bool ``[batch, q_len, kv_len]`` ->
+    ``[batch, q_len, num_heads, head_dim]`` in q's dtype. Same math as ``attend(..., impl="dense")``."""
+    return _dense_heads_first([(q, kt, vt, mask)], False)
 
 
 def _merge_lse(outs, lses):

@@ -18,9 +18,9 @@ import numpy as np
 from flax import nnx
 
 from rag_jax import sharding
-from rag_jax.model.attention import attend
+from rag_jax.model.attention import attend, attend_cache
 from rag_jax.model.config import ModelConfig
-from rag_jax.model.kv import KVSegment
+from rag_jax.model.kv import DecodeCache, KVSegment
 from rag_jax.model.masks import MASK_MODES, MaskSpec
 from rag_jax.model.rope import rope_angles, rope_inv_freq, rotate
 
@@ -289,6 +289,48 @@ class Transformer(nnx.Module):
         n (HF ``hidden_states[n]``), which a model of the remaining layers continues from as ``inputs_embeds``."""
         return self._layers(tokens, positions, segment_ids, mode, is_global, None, inputs_embeds)[0]
 
+    def decode(self, tokens, positions, cache: DecodeCache, slot) -> tuple[jax.Array, DecodeCache]:
+        """One new token per row: its keys and values written into ``cache`` at token slot ``slot`` (empty in
+        every row), attended with the whole cache in causal order (``attention.attend_cache``).
+
+        Args:
+          tokens, positions: int32 ``[batch]`` token ids and RoPE positions.
+          cache: a ``DecodeCache`` (``DecodeCache.from_segment`` of the prompt's KV plus empty slots).
+          slot: int32 scalar, the slot written (every filled slot before it is attended).
+
+        Returns ``(logits float32 [batch, vocab], the cache with the slot filled)``; the same values as
+        ``__call__`` on the token with the cache as a ``KVSegment``, without re-rotating the cached keys.
+        """
+        cfg = self.config
+        batch = tokens.shape[0]
+        pos = positions.astype(jnp.int32)[:, None]
+        segment_ids = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, jnp.ones((batch, 1), jnp.int32), slot,
+                                                          axis=1)
+        kv_pos = jax.lax.dynamic_update_slice_in_dim(cache.positions, pos, slot, axis=1)
+        masks = self._layer_masks("causal", lambda w: MaskSpec.create(
+            "causal", jnp.ones((batch, 1), jnp.int32), segment_ids, q_order=jnp.full((batch, 1), slot),
+            q_positions=pos, kv_positions=kv_pos, sliding_window=w).dense())
+        cos, sin = rope_angles(pos, self.inv_freq)
+        x = self.embed(tokens[:, None])
+        ks, vs = [], []
+        for i, (layer, mask) in enumerate(zip(self.layers, masks)):
+            q, k, v = layer.qkv(x)
+            k, v = cache.write(i, rotate(k, cos, sin), v, slot)
+            x = layer.finish(x, attend_cache(rotate(q, cos, sin), k, v, mask))
+            ks.append(k)
+            vs.append(v)
+        logits = self.logits(self.final_norm(x))[:, -1]
+        return logits, DecodeCache(k=tuple(ks), v=tuple(vs), positions=kv_pos, segment_ids=segment_ids)
+
+    def _layer_masks(self, mode: str, make) -> list:
+        """One mask per layer, ``make(window)`` called once per distinct sliding window (HF ``layer_types``);
+        the embedding pass (``bidirectional``) sees the whole text: no window (GritLM note §3.2)."""
+        cfg = self.config
+        window = None if mode == "bidirectional" else cfg.sliding_window
+        keys = [window and cfg.layer_window(i) for i in range(cfg.num_layers)]
+        made = {w: make(w) for w in set(keys)}
+        return [made[w] for w in keys]
+
     def _layers(self, tokens, positions, segment_ids, mode, is_global, kv_cache, inputs_embeds):
         """Checks, masks, RoPE tables and the layer stack -> ``(x [b, s, hidden] before the final norm, ks, vs)``."""
         cfg = self.config
@@ -303,19 +345,16 @@ class Transformer(nnx.Module):
         else:
             kv_seg = jnp.concatenate([kv_cache.segment_ids, segment_ids], axis=1)
             kv_pos = jnp.concatenate([kv_cache.positions, positions], axis=1)
-        # The embedding pass sees the whole text: no sliding window (GritLM note §3.2).
-        window = None if mode == "bidirectional" else cfg.sliding_window
-        masks = {w: MaskSpec.create(mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions,
-                                    kv_positions=kv_pos, sliding_window=w)
-                 for w in {window and cfg.layer_window(i) for i in range(cfg.num_layers)}}
+        masks = self._layer_masks(mode, lambda w: MaskSpec.create(
+            mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions, kv_positions=kv_pos,
+            sliding_window=w))
         q_rope = rope_angles(positions, self.inv_freq)  # once per forward, shared by the layers
         k_rope = q_rope if kv_cache is None else rope_angles(kv_pos, self.inv_freq)
         q_rope, k_rope = _materialize((q_rope, k_rope))
         layer_fn = self._layer_fn()
         x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(cfg.compute_dtype)
         ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            mask = masks[window and cfg.layer_window(i)]  # per-layer windows (HF layer_types)
+        for i, (layer, mask) in enumerate(zip(self.layers, masks)):
             if kv_cache is None:
                 x, (k, v) = layer_fn(layer, x, q_rope, k_rope, mask)
             else:
