@@ -3,11 +3,13 @@
 Loads: the GGUF file (rag-jax ``load_model``: model + tokenizer, dequantization included; transformers
 ``from_pretrained(gguf_file=...)`` + ``AutoTokenizer``) and the HF folder ``rag-jax convert`` writes from it
 (``load_model`` vs ``from_pretrained``). Prefill: one prompt of each length, float32, last-token logits.
-Decode: greedy tokens after a 128-token prompt, (time for 1 + n tokens - time for 1 token) / n; rag-jax's
-one-jit ``generate`` and the per-token ``stream_tokens`` loop the CLI uses. Medians of ``--iters`` runs.
+Decode: greedy tokens after prompts of ``--decode-prompts`` tokens (``--decode-batch`` rows), (time for 1 + n
+tokens - time for 1 token) / n; rag-jax's one-jit ``generate`` and, for one row, the per-token ``stream_tokens``
+loop the CLI uses. Medians of ``--iters`` runs.
 
     rag-jax bench load_and_speed                                    # SmolLM2-135M-Instruct, prefill 1K and 4K
     rag-jax bench load_and_speed --model path/to/model.gguf --lengths 512 2048 --iters 5
+    rag-jax bench load_and_speed --lengths 1024 --decode-prompts 128 2048 --decode-batch 8   # RAG-length caches
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ def main(argv=None) -> int:
                         help="embedded model name or .gguf file")
     parser.add_argument("--lengths", type=integer(1), nargs="+", default=[1024, 4096], help="prefill lengths (tokens)")
     parser.add_argument("--new-tokens", type=integer(1), default=64, help="decode tokens")
+    parser.add_argument("--decode-prompts", type=integer(1), nargs="+", default=[128],
+                        help="prompt lengths (tokens) the decode rows run after (a long one: a RAG prompt's cache)")
+    parser.add_argument("--decode-batch", type=integer(1), default=1, help="prompts decoded together")
     parser.add_argument("--iters", type=integer(1), default=3)
     args = parser.parse_args(argv)
     path = args.model
@@ -93,25 +98,29 @@ def main(argv=None) -> int:
             theirs_s = median_seconds(lambda: hf(torch.tensor(ids), logits_to_keep=1), args.iters)
         row(f"prefill {length} tokens", ours_s / length, theirs_s / length, unit="tok")
 
-    prompt = rng.integers(0, vocab, (1, 128))
     n = args.new_tokens
+    for length in args.decode_prompts:
+        prompt = rng.integers(0, vocab, (args.decode_batch, length))
 
-    def ours_generate(k):
-        return lambda: generate(ours.model, prompt, max_new_tokens=k)
+        def ours_generate(k, prompt=prompt):
+            return lambda: generate(ours.model, prompt, max_new_tokens=k)
 
-    def ours_stream(k):
-        return lambda: list(stream_tokens(ours.model, prompt[0].tolist(), max_new_tokens=k))
+        def ours_stream(k, prompt=prompt):
+            return lambda: list(stream_tokens(ours.model, prompt[0].tolist(), max_new_tokens=k))
 
-    def hf_generate(k):
-        def run():
-            with torch.no_grad():
-                hf.generate(torch.tensor(prompt), max_new_tokens=k, min_new_tokens=k, do_sample=False)
-        return run
+        def hf_generate(k, prompt=prompt):
+            def run():
+                with torch.no_grad():
+                    hf.generate(torch.tensor(prompt), max_new_tokens=k, min_new_tokens=k, do_sample=False)
+            return run
 
-    hf_s = (median_seconds(hf_generate(n + 1), args.iters) - median_seconds(hf_generate(1), args.iters)) / n
-    for name, make in (("decode (generate, one jit)", ours_generate), ("decode (stream_tokens, CLI)", ours_stream)):
-        ours_s = (median_seconds(make(n + 1), args.iters) - median_seconds(make(1), args.iters)) / n
-        row(name, ours_s, hf_s, unit="tok")
+        hf_s = (median_seconds(hf_generate(n + 1), args.iters) - median_seconds(hf_generate(1), args.iters)) / n
+        makers = [("generate, one jit", ours_generate)] + ([("stream_tokens, CLI", ours_stream)]
+                                                           if args.decode_batch == 1 else [])
+        for name, make in makers:
+            ours_s = (median_seconds(make(n + 1), args.iters) - median_seconds(make(1), args.iters)) / n
+            row(f"decode after {length} x {args.decode_batch} ({name})", ours_s / args.decode_batch,
+                hf_s / args.decode_batch, unit="tok")
     print(f"model: {path.name}; jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}; float32; "
           f"medians of {args.iters}")
