@@ -11,7 +11,10 @@ difference is visible (Wilcoxon signed-rank p and a 95% interval on the mean pai
 Fine-tuning (``--steps``; ``rag_jax.train.block_distill``): training questions built the same way (with
 ``--train-passages`` passages), the top ``--top-layers`` layers trained to match, in block attention, the base
 model's full-attention next-token distributions at every position of the question, template and answer
-(``objectives.block_distill``; ``--full-weight`` also distills the full-attention pass). Features (frozen-bottom
+(``objectives.block_distill``; ``--full-weight`` also distills the full-attention pass). The answer is the first
+gold answer, or with ``--targets own`` the base model's own greedy full-attention reply to the training prompt
+(sequence-level distillation: the student is taught at the positions greedy decoding visits, not at a gold
+string the chat model would not write; replies cached in ``--cache-dir``). Features (frozen-bottom
 outputs, teacher states) are cached per row in ``--cache-dir``; the run folder ``<cache-dir>/run_<hash>`` resumes;
 the tuned model is written as an HF folder ``<run>/model`` that ``--model`` accepts.
 
