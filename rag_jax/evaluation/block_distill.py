@@ -307,24 +307,31 @@ def em_table(loaded, models: dict, examples, questions, rows, args) -> dict:
 
     prompts = [[list(map(int, b)) for b in r.blocks] for r in rows]
     eos = tuple(loaded.eos_ids)
+    fingerprints = {name: model_fingerprint(model, model.config) for name, (model, _) in models.items()}
+    conds = [(name, mode, prefix) for name, (_, prefixes) in models.items()
+             for mode, prefix in [("full", "none")] + [("block", p) for p in prefixes]]
+    # Answered first: the reference, then the block modes (tuned models first: the claim), then full attention of
+    # tuned models; each condition's replies are cached once complete, so a run cut short keeps those that matter.
+    first = sorted(conds, key=lambda c: (c != ("base", "full", "none"), c[1] == "full", c[0] == "base"))
     correct, replies = {}, {}
-    for name, (model, prefixes) in models.items():
-        fingerprint = model_fingerprint(model, model.config)
-        for mode, prefix in [("full", "none")] + [("block", p) for p in prefixes]:
-            cond = f"{mode if prefix == 'none' else f'block + {prefix} prefix'} ({name})"
-            t0 = time.perf_counter()
-            keys = [hashlib.sha256(json.dumps([fingerprint, mode, prefix, args.max_new_tokens, list(map(int, eos)),
-                                               b]).encode()).hexdigest() for b in prompts]
-            by_key = dict(zip(keys, prompts))
-            preds = memo_json(args.cache_dir / "em_replies.json", keys, lambda todo: generate_answers(
-                BlockAttention(model, prefix=prefix), loaded.tokenizer, [by_key[k] for k in todo], mode=mode,
-                max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size, eos_id=eos))
-            correct[cond] = [bool(score_answer(pr, examples[i].answers, golds_are_set=False)["subspan_em"])
-                             for pr, i in zip(preds, questions)]
-            replies[cond] = list(preds)
-            print(f"  {cond}: EM {np.mean(correct[cond]):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for name, mode, prefix in first:
+        model = models[name][0]
+        cond = f"{mode if prefix == 'none' else f'block + {prefix} prefix'} ({name})"
+        t0 = time.perf_counter()
+        keys = [hashlib.sha256(json.dumps([fingerprints[name], mode, prefix, args.max_new_tokens, list(map(int, eos)),
+                                           b]).encode()).hexdigest() for b in prompts]
+        by_key = dict(zip(keys, prompts))
+        preds = memo_json(args.cache_dir / "em_replies.json", keys, lambda todo: generate_answers(
+            BlockAttention(model, prefix=prefix), loaded.tokenizer, [by_key[k] for k in todo], mode=mode,
+            max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size, eos_id=eos))
+        correct[cond] = [bool(score_answer(pr, examples[i].answers, golds_are_set=False)["subspan_em"])
+                         for pr, i in zip(preds, questions)]
+        replies[cond] = list(preds)
+        print(f"  {cond}: EM {np.mean(correct[cond]):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     out, table_rows = {}, []
-    for cond, c in correct.items():
+    for name, mode, prefix in conds:                          # the table in the models' order
+        cond = f"{mode if prefix == 'none' else f'block + {prefix} prefix'} ({name})"
+        c = correct[cond]
         only, only_base, pval = mcnemar(c, correct["full (base)"])
         out[cond] = {"em": float(np.mean(c)), "only_this": only, "only_full_base": only_base, "p": pval,
                      "correct": c, "replies": replies[cond]}
