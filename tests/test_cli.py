@@ -65,6 +65,7 @@ BAD_SCRIPT_INPUT = [
     ("eval", "block_nq", ["--train-seq-len", "4"], "--train-seq-len"),
     ("eval", "block_distill", ["--ll-rows", "1"], "--ll-rows"),
     ("eval", "block_distill", ["--ll-rows", "100000"], "--ll-rows"),
+    ("eval", "block_distill", ["--em-questions", "100000"], "--em-questions"),
     ("eval", "block_distill", ["--prefix", "sink,nosuch"], "--prefix"),
     ("eval", "block_distill", ["--train-prefix", "first"], "--train-prefix"),
     ("eval", "block_distill", ["--full-weight", "-1"], "--full-weight"),
@@ -160,8 +161,8 @@ BAD_SCRIPT_INPUT = [
 
 
 # cases that read ../shared/data before they reach the checked flag (skipped where it is absent)
-NEEDS_SHARED_DATA = {("grit_pretrained", "--gen-len"), ("block_distill", "--ll-rows"), ("block_distill", "--top-layers"),
-                     ("block_distill", "--tuned")}
+NEEDS_SHARED_DATA = {("grit_pretrained", "--gen-len"), ("block_distill", "--ll-rows"), ("block_distill", "--em-questions"),
+                     ("block_distill", "--top-layers"), ("block_distill", "--tuned")}
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"   # as conftest.SHARED_DATA
 
 

@@ -134,6 +134,8 @@ def main(argv=None) -> int:
     train, heldout = heldout_split(len(examples), args.heldout, args.seed)
     if args.ll_rows > len(heldout):
         p.error(f"argument --ll-rows: {args.ll_rows} exceeds the {len(heldout)} held-out questions")
+    if args.em_questions > len(heldout):
+        p.error(f"argument --em-questions: {args.em_questions} exceeds the {len(heldout)} held-out questions")
     if args.tuned is not None and args.steps:
         p.error(f"argument --tuned: {args.tuned} is scored instead of training; drop --steps {args.steps}")
     loaded = load_model(args.model)
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     if not loaded.config.tie_embeddings:
         p.error(f"argument --model: {args.model} has an untied output head; distillation reads the teacher's "
                 "logits through the frozen tied embedding")
-    heldout = heldout[:args.ll_rows]
+    heldout = heldout[:max(args.ll_rows, args.em_questions)]  # rows are prefix-stable: the first N are the same
     train_q = np.random.default_rng(args.seed).permutation(train)[:args.train_rows].tolist() if args.steps else []
     texts = [f"(Title: {x.title}) {x.text}" for x in pool]
     args.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -164,9 +166,10 @@ def main(argv=None) -> int:
     index.add(p_vecs, np.arange(len(pool)))
 
     chat, eos = ChatBlocks(loaded), loaded.eos_ids[0]
-    eval_rows = build_rows(chat, eos, examples, texts, gold_ids, heldout,
-                           mine_negatives(emb, index, pool, examples, gold_ids, heldout, args.num_passages - 1),
-                           args.seed + 1)
+    heldout_rows = build_rows(chat, eos, examples, texts, gold_ids, heldout,
+                              mine_negatives(emb, index, pool, examples, gold_ids, heldout, args.num_passages - 1),
+                              args.seed + 1)
+    eval_rows = heldout_rows[:args.ll_rows]                   # the log-likelihood rows
     @functools.cache  # one object per prefix: rows computed or loaded once are reused in memory
     def features_for(prefix):
         return DistillFeatures(loaded.model, args.top_layers, prefix=prefix, cache_dir=args.cache_dir / "features")
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
         base_prefixes = list(dict.fromkeys(["none", *args.prefix]))       # --prefix: training-free rows
         info["em"] = em_table(loaded, {name: (m, base_prefixes if name == "base" else [tuned_prefix])
                                        for name, m in models.items()},
-                              examples, heldout[:args.em_questions], eval_rows[:args.em_questions], args)
+                              examples, heldout[:args.em_questions], heldout_rows[:args.em_questions], args)
         write_out()                                           # kept if the log-likelihood rows are cut short
 
     if args.em_questions and not args.steps:
