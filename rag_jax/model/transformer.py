@@ -301,7 +301,6 @@ class Transformer(nnx.Module):
         Returns ``(logits float32 [batch, vocab], the cache with the slot filled)``; the same values as
         ``__call__`` on the token with the cache as a ``KVSegment``, without re-rotating the cached keys.
         """
-        cfg = self.config
         batch = tokens.shape[0]
         pos = positions.astype(jnp.int32)[:, None]
         segment_ids = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, jnp.ones((batch, 1), jnp.int32), slot,
