@@ -40,6 +40,7 @@ DEFAULT_RULES: Rules = (
     ("kv_heads", ("tensor",)),
     ("head_dim", ()),
     ("norm", ()),
+    ("layers", ()),  # the stacked axis of scanned layers (ModelConfig.scan_layers): each chip holds every layer
 )
 
 

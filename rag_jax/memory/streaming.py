@@ -329,7 +329,7 @@ class EMLLM:
 
         self.cfg, self.model_config = cfg, mcfg
         graphdef, state = nnx.split(model)
-        layer_graphdef, layer_state = nnx.split(model.layers[0])
+        layer_graphdef, layer_state = nnx.split(model.layer(0))
         self._model = model
         self._weights = WeightsWatch(state)  # live: sees nnx.update of the model
         self._start, self._step, self._head = _compiled((graphdef, jax.tree.structure(state)),
@@ -347,7 +347,7 @@ class EMLLM:
         current weights."""
         self._weights.refresh()
         self._params = StepParams(jax.tree.leaves(nnx.state(self._model)),
-                                  [jax.tree.leaves(nnx.state(layer)) for layer in self._model.layers])
+                                  [jax.tree.leaves(nnx.state(self._model.layer(i))) for i in range(self.model_config.num_layers)])
         self._started = False
         m, cfg = self.model_config, self.cfg
         dt = m.compute_dtype

@@ -53,6 +53,11 @@ class ModelConfig:
       attention_impl: ``"auto" | "dense" | "blockwise" | "cudnn" | "splash"`` (``model.attention``):
         ``auto`` picks cuDNN on GPU, splash on TPU, dense or blockwise on CPU by length; ``dense`` is
         the reference. Not part of the architecture (``fingerprint`` ignores it).
+      scan_layers: store the decoder layers stacked (every parameter gains a leading ``layers`` axis) and run
+        them with one ``jax.lax.scan`` per run of layers sharing a sliding window, so compile time and program
+        size stay flat in depth (MaxText's ``scan_layers``; research note jax_frameworks.md). Same values as
+        the unrolled stack; a storage layout, not architecture (``fingerprint`` ignores it;
+        ``transformer.to_scanned`` / ``to_unrolled`` convert a model).
     """
 
     vocab_size: int = 512
@@ -75,6 +80,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     attention_impl: str = "auto"
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -99,6 +105,8 @@ class ModelConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r} is not supported; "
                              f"valid: {ATTENTION_IMPLS}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"ModelConfig.scan_layers={self.scan_layers!r} must be true or false")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -143,7 +151,7 @@ class ModelConfig:
 
     def fingerprint(self) -> str:
         """A stable string identifying the architecture (for cache keys)."""
-        arch = {k: v for k, v in self.to_dict().items() if k != "attention_impl"}
+        arch = {k: v for k, v in self.to_dict().items() if k not in ("attention_impl", "scan_layers")}
         return repr(sorted(arch.items()))
 
     @classmethod
@@ -171,6 +179,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                         max_seq_len=131072, tie_embeddings=True, rms_norm_eps=1e-5),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                       num_heads=32, num_kv_heads=8, rope_theta=500000.0, max_seq_len=8192, rms_norm_eps=1e-5),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                       num_heads=64, num_kv_heads=8, rope_theta=500000.0, max_seq_len=8192, rms_norm_eps=1e-5),
 }
 
 

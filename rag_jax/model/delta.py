@@ -24,10 +24,12 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save
 
 from rag_jax.atomic import write_bytes
+from rag_jax.model.transformer import to_scanned, to_unrolled
 
 
 def _flat(model) -> dict[str, np.ndarray]:
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    """Parameters by path, one entry per layer (``layers/3/mlp/up``) also for a scanned model."""
+    flat = nnx.to_flat_state(nnx.state(to_unrolled(model), nnx.Param))
     return {"/".join(map(str, path)): np.asarray(v.get_value(), np.float32)
             for path, v in flat}
 
@@ -107,6 +109,7 @@ def apply_delta(base, path: str | os.PathLike):
     for key in sorted(arrays):
         name, i = key.rsplit("#", 1)
         grouped.setdefault(name, []).append((int(i), arrays[key]))
+    scanned, base = base.config.scan_layers, to_unrolled(base)
     params = _flat(base)
     for name, parts in grouped.items():
         if name not in params:
@@ -124,4 +127,5 @@ def apply_delta(base, path: str | os.PathLike):
         key = "/".join(map(str, path_))
         if key in grouped:
             v.set_value(jnp.asarray(params[key], v.get_value().dtype))
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    return to_scanned(model) if scanned else model

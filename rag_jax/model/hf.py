@@ -23,7 +23,7 @@ from safetensors.flax import save_file
 from rag_jax.atomic import recover, replace_directory
 from rag_jax.file_errors import naming, one_line
 from rag_jax.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
-from rag_jax.model.transformer import Transformer
+from rag_jax.model.transformer import Transformer, to_scanned, to_unrolled
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -267,7 +267,7 @@ def build_model(cfg: ModelConfig, names: set[str] | dict, get_tensor: Callable[[
 
     Raises ValueError naming the tensor: missing, shape not matching the config, or not used.
     """
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Transformer(cfg.replace(scan_layers=False), rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     table = _tensor_map(cfg)
     flat = []
@@ -295,7 +295,8 @@ def build_model(cfg: ModelConfig, names: set[str] | dict, get_tensor: Callable[[
     if unused:
         raise ValueError(f"{source} holds {len(unused)} tensor(s) this config does not use, e.g. {unused[:3]}; "
                          "rag-jax refuses to drop weights (check the config: biases, tied embeddings, architecture)")
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return to_scanned(model) if cfg.scan_layers else model
 
 
 def load_hf(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[ModelConfig, Transformer, str]:
@@ -356,6 +357,7 @@ def save_hf(model: Transformer, path: str | os.PathLike, arch: str = "LlamaForCa
     files with a ``model.safetensors.index.json``. Raises ValueError for unsupported ``arch``.
     """
     _check_arch(arch)
+    model = to_unrolled(model)
     cfg = model.config
     path = Path(path)
     table = _tensor_map(cfg)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from rag_jax import sharding
 from rag_jax.model.attention import attend, attend_cache
@@ -24,7 +25,12 @@ from rag_jax.model.kv import DecodeCache, KVSegment
 from rag_jax.model.masks import MASK_MODES, MaskSpec
 from rag_jax.model.rope import rope_angles, rope_inv_freq, rotate
 
-REMAT_POLICIES = ("none", "full", "dots")
+# Rematerialization (what the backward recomputes): "none" saves every activation, "full" recomputes each layer,
+# "dots" saves every matmul output; the MaxText-style named choices save only the tagged projections
+# (``checkpoint_name``) and recompute the rest: q/k/v, + attention output, + the MLP's gate/up outputs.
+REMAT_NAMES = {"save_qkv_proj": ("qkv_proj",), "save_qkv_out_proj": ("qkv_proj", "out_proj"),
+               "save_qkv_out_mlpwi": ("qkv_proj", "out_proj", "mlpwi")}
+REMAT_POLICIES = ("none", "full", "dots", *REMAT_NAMES)
 ACTIVATION_AXES = ("batch", "seq", "activation_embed")
 MLP_CHUNK = 2048  # tokens per MLP call in long sequences (bounds the [b, s, intermediate] activations)
 
@@ -77,12 +83,12 @@ class Attention(nnx.Module):
         v = jnp.einsum("bsh,hnd->bsnd", x, self.wv[...].astype(dt))
         if self.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
-        return q, k, v
+        return tuple(checkpoint_name(t, "qkv_proj") for t in (q, k, v))
 
     def output(self, attn_out):
         """``[b, s, num_heads, head_dim]`` -> ``[b, s, hidden]``."""
         out = jnp.einsum("bsnd,ndh->bsh", attn_out, self.wo[...].astype(attn_out.dtype))
-        return out + self.bo[...].astype(out.dtype) if self.out_bias else out
+        return checkpoint_name(out + self.bo[...].astype(out.dtype) if self.out_bias else out, "out_proj")
 
 
 class MLP(nnx.Module):
@@ -111,8 +117,8 @@ class MLP(nnx.Module):
     def _swiglu(self, x):
         dt = x.dtype
         bias = (lambda name: getattr(self, name)[...].astype(dt)) if self.mlp_bias else (lambda name: 0)
-        g = x @ self.gate[...].astype(dt) + bias("gate_bias")
-        u = x @ self.up[...].astype(dt) + bias("up_bias")
+        g = checkpoint_name(x @ self.gate[...].astype(dt) + bias("gate_bias"), "mlpwi")
+        u = checkpoint_name(x @ self.up[...].astype(dt) + bias("up_bias"), "mlpwi")
         return (jax.nn.silu(g) * u) @ self.down[...].astype(dt) + bias("down_bias")
 
 
@@ -214,7 +220,9 @@ class Transformer(nnx.Module):
         self.config = cfg
         pd = cfg.weight_dtype
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        layers = [DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)]
+        # Scanned: one DecoderLayer of stacked parameters (the same values as the unrolled stack of the seed).
+        self.layers = _stack_layers(layers) if cfg.scan_layers else nnx.List(layers)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
@@ -238,15 +246,27 @@ class Transformer(nnx.Module):
         w = self.head_weight()
         return jnp.einsum("bsh,hv->bsv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
-    def _layer_fn(self):
-        impl = self.config.attention_impl
+    def layer(self, i: int) -> DecoderLayer:
+        """Decoder layer ``i`` (``0 <= i < num_layers``). Of a scanned stack this is a new module holding
+        slices of the stacked parameters: read it (inside a jit the slice costs nothing stored); writes to it
+        do not reach the model (``to_unrolled`` to edit layers one by one)."""
+        if not self.config.scan_layers:
+            return self.layers[i]
+        graphdef, state = nnx.split(self.layers)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
-        def run(layer, *args):
-            return layer(*args, impl=impl)
+    def _remat(self, fn, *, scanned: bool):
+        """``fn`` under this model's rematerialization policy (``REMAT_POLICIES``)."""
         if self.remat_policy == "none":
-            return run
-        policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if self.remat_policy == "dots" else None)
-        return nnx.remat(run, policy=policy)
+            return fn
+        if self.remat_policy == "full":
+            policy = None
+        elif self.remat_policy == "dots":
+            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        else:
+            policy = jax.checkpoint_policies.save_only_these_names(*REMAT_NAMES[self.remat_policy])
+        # Under scan the body runs once per iteration anyway: CSE across iterations cannot happen (MaxText).
+        return jax.checkpoint(fn, policy=policy, prevent_cse=False) if scanned else nnx.remat(fn, policy=policy)
 
     def __call__(self, tokens, positions, segment_ids, *, mode: str = "causal", is_global=None,
                  kv_cache: KVSegment | None = None, inputs_embeds=None) -> ModelOutput:
@@ -279,8 +299,8 @@ class Transformer(nnx.Module):
         """``(residual [batch, seq, hidden] before the final norm, KVSegment of the new tokens)``: ``__call__``
         without the norm and the output head (arguments as there), for a bottom model's output with its cache
         (``rag_jax.inference.block_prefix``)."""
-        x, ks, vs = self._layers(tokens, positions, segment_ids, mode, is_global, kv_cache, inputs_embeds)
-        return x, KVSegment(k=jnp.stack(ks), v=jnp.stack(vs), positions=positions.astype(jnp.int32),
+        x, k, v = self._layers(tokens, positions, segment_ids, mode, is_global, kv_cache, inputs_embeds)
+        return x, KVSegment(k=k, v=v, positions=positions.astype(jnp.int32),
                             segment_ids=segment_ids.astype(jnp.int32))
 
     def residual(self, tokens, positions, segment_ids, *, mode: str = "causal", is_global=None, inputs_embeds=None):
@@ -312,7 +332,8 @@ class Transformer(nnx.Module):
         cos, sin = rope_angles(pos, self.inv_freq)
         x = self.embed(tokens[:, None])
         ks, vs = [], []
-        for i, (layer, mask) in enumerate(zip(self.layers, masks)):
+        for i, mask in enumerate(masks):
+            layer = self.layer(i)
             q, k, v = layer.qkv(x)
             k, v = cache.write(i, rotate(k, cos, sin), v, slot)
             x = layer.finish(x, attend_cache(rotate(q, cos, sin), k, v, mask))
@@ -321,17 +342,33 @@ class Transformer(nnx.Module):
         logits = self.logits(self.final_norm(x))[:, -1]
         return logits, DecodeCache(k=tuple(ks), v=tuple(vs), positions=kv_pos, segment_ids=segment_ids)
 
-    def _layer_masks(self, mode: str, make) -> list:
-        """One mask per layer, ``make(window)`` called once per distinct sliding window (HF ``layer_types``);
-        the embedding pass (``bidirectional``) sees the whole text: no window (GritLM note §3.2)."""
+    def _layer_groups(self, mode: str) -> list[tuple[int, int, int | None]]:
+        """Runs of consecutive layers sharing one sliding window: ``[(start, stop, window)]`` (HF
+        ``layer_types``); the embedding pass (``bidirectional``) sees the whole text: no window (GritLM note
+        §3.2). A scanned stack runs one ``lax.scan`` per run."""
         cfg = self.config
         window = None if mode == "bidirectional" else cfg.sliding_window
-        keys = [window and cfg.layer_window(i) for i in range(cfg.num_layers)]
-        made = {w: make(w) for w in set(keys)}
-        return [made[w] for w in keys]
+        groups = []
+        for i in range(cfg.num_layers):
+            w = window and cfg.layer_window(i)
+            if groups and groups[-1][2] == w:
+                groups[-1] = (groups[-1][0], i + 1, w)
+            else:
+                groups.append((i, i + 1, w))
+        return groups
+
+    def _layer_masks(self, mode: str, make) -> list:
+        """One mask per layer, ``make(window)`` called once per distinct sliding window."""
+        made, masks = {}, []
+        for start, stop, w in self._layer_groups(mode):
+            if w not in made:
+                made[w] = make(w)
+            masks += [made[w]] * (stop - start)
+        return masks
 
     def _layers(self, tokens, positions, segment_ids, mode, is_global, kv_cache, inputs_embeds):
-        """Checks, masks, RoPE tables and the layer stack -> ``(x [b, s, hidden] before the final norm, ks, vs)``."""
+        """Checks, masks, RoPE tables and the layer stack -> ``(x [b, s, hidden] before the final norm,
+        k, v [num_layers, b, s, num_kv_heads, head_dim] pre-RoPE)``."""
         cfg = self.config
         check_inputs(cfg, tokens, positions, segment_ids, mode, is_global, kv_cache)
         if inputs_embeds is not None and tuple(inputs_embeds.shape) != (*tokens.shape, cfg.hidden_size):
@@ -344,23 +381,88 @@ class Transformer(nnx.Module):
         else:
             kv_seg = jnp.concatenate([kv_cache.segment_ids, segment_ids], axis=1)
             kv_pos = jnp.concatenate([kv_cache.positions, positions], axis=1)
-        masks = self._layer_masks(mode, lambda w: MaskSpec.create(
-            mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions, kv_positions=kv_pos,
-            sliding_window=w))
+
+        def make_mask(w):
+            return MaskSpec.create(mode, segment_ids, kv_seg, q_is_global=is_global, q_positions=positions,
+                                   kv_positions=kv_pos, sliding_window=w)
         q_rope = rope_angles(positions, self.inv_freq)  # once per forward, shared by the layers
         k_rope = q_rope if kv_cache is None else rope_angles(kv_pos, self.inv_freq)
         q_rope, k_rope = _materialize((q_rope, k_rope))
-        layer_fn = self._layer_fn()
         x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(cfg.compute_dtype)
+        impl = cfg.attention_impl
+        if cfg.scan_layers:
+            return self._scan_layers(x, q_rope, k_rope, mode, make_mask, kv_cache)
+        run = self._remat(lambda layer, *args: layer(*args, impl=impl), scanned=False)
         ks, vs = [], []
-        for i, (layer, mask) in enumerate(zip(self.layers, masks)):
-            if kv_cache is None:
-                x, (k, v) = layer_fn(layer, x, q_rope, k_rope, mask)
-            else:
-                x, (k, v) = layer_fn(layer, x, q_rope, k_rope, mask, kv_cache.k[i], kv_cache.v[i])
+        for i, (layer, mask) in enumerate(zip(self.layers, self._layer_masks(mode, make_mask))):
+            cache = () if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
+            x, (k, v) = run(layer, x, q_rope, k_rope, mask, *cache)
             ks.append(k)
             vs.append(v)
-        return x, ks, vs
+        return x, jnp.stack(ks), jnp.stack(vs)
+
+    def _scan_layers(self, x, q_rope, k_rope, mode, make_mask, kv_cache):
+        """The stacked layers as one ``jax.lax.scan`` per run of layers sharing a window (``_layers``)."""
+        impl = self.config.attention_impl
+        graphdef, state = nnx.split(self.layers)
+        ks, vs = [], []
+        groups = self._layer_groups(mode)
+        for start, stop, window in groups:
+            mask = make_mask(window)
+
+            def body(x, xs, mask=mask):
+                layer_state, cache = xs
+                return nnx.merge(graphdef, layer_state)(x, q_rope, k_rope, mask, *cache, impl=impl)
+
+            part = state if len(groups) == 1 else jax.tree.map(lambda a: a[start:stop], state)
+            cache = () if kv_cache is None else (kv_cache.k[start:stop], kv_cache.v[start:stop])
+            x, (k, v) = jax.lax.scan(self._remat(body, scanned=True), x, (part, cache))
+            ks.append(k)
+            vs.append(v)
+        return x, jnp.concatenate(ks), jnp.concatenate(vs)
+
+
+def _stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One ``DecoderLayer`` whose every parameter holds ``layers``' values stacked on a new leading axis,
+    named ``layers`` for sharding (``sharding.DEFAULT_RULES``: not split). Reuses ``layers[0]``'s object."""
+    stacked = layers[0]
+    values = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.to_pure_dict(nnx.state(layer)) for layer in layers])
+    for path, var in list(nnx.iter_graph(stacked)):
+        if isinstance(var, nnx.Param):
+            value = values
+            for key in path:
+                value = value[key]
+            var.set_value(value)
+            var.set_metadata(out_sharding=("layers", *var.out_sharding))
+    return stacked
+
+
+def _relayout(model: "Transformer", scan: bool) -> "Transformer":
+    cfg = model.config
+    if cfg.scan_layers == scan:
+        return model
+    abstract = nnx.eval_shape(lambda: Transformer(cfg.replace(scan_layers=scan), rngs=nnx.Rngs(0),
+                                                  remat_policy=model.remat_policy))
+    graphdef, state = nnx.split(abstract)
+    values = nnx.to_pure_dict(nnx.state(model))
+    layers = values["layers"]
+    if scan:
+        values["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(cfg.num_layers)])
+    else:
+        values["layers"] = {i: jax.tree.map(lambda a: a[i], layers) for i in range(cfg.num_layers)}
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state)
+
+
+def to_scanned(model: "Transformer") -> "Transformer":
+    """``model`` with its layers stacked and scanned (``ModelConfig.scan_layers``): same values, a new module
+    (``model`` itself is returned when it is scanned already)."""
+    return _relayout(model, True)
+
+
+def to_unrolled(model: "Transformer") -> "Transformer":
+    """``model`` with one module per layer (``model.layers[i]``): the inverse of ``to_scanned``."""
+    return _relayout(model, False)
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -9,6 +9,7 @@ run (research note jax_frameworks.md 1.1).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +17,19 @@ from jax.sharding import Mesh, NamedSharding
 
 from rag_jax import sharding
 from rag_jax.model.config import apply_precision
-from rag_jax.train import optim, step as step_lib
+from rag_jax.train import metrics, optim, step as step_lib
 from rag_jax.train.checkpoint import abstract_with_shardings
 from rag_jax.train.trainer import resolve_objective
 
 GiB = 2**30
-# HBM per chip (Cloud TPU system architecture pages).
+# HBM per chip, HBM bandwidth (bytes/s) and peak dense bf16 FLOP/s per chip (Cloud TPU system architecture pages).
 HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
+HBM_BANDWIDTH = {"v4": 1228e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9}
+PEAK_BF16_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
 # Slice names count TensorCores for v4/v5p (2 per chip, one JAX device per chip) and chips for v5e/v6e.
 TOPOLOGY_ALIASES = {
     "v5p-8": "v5p:2x2x1", "v5p-16": "v5p:2x2x2", "v5p-32": "v5p:2x2x4", "v5p-64": "v5p:2x4x4",
-    "v5p-128": "v5p:4x4x4", "v4-8": "v4:2x2x1", "v4-16": "v4:2x2x2", "v4-32": "v4:2x2x4",
+    "v5p-128": "v5p:4x4x4", "v5p-256": "v5p:4x4x8", "v5p-512": "v5p:4x8x8", "v4-8": "v4:2x2x1", "v4-16": "v4:2x2x2", "v4-32": "v4:2x2x4",
     "v5e-4": "v5e:2x2", "v5e-8": "v5e:2x4", "v5e-16": "v5e:4x4", "v5e-64": "v5e:8x8", "v5e-256": "v5e:16x16",
     "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-256": "v6e:16x16",
 }
@@ -63,7 +66,10 @@ def topology_devices(topology: str) -> tuple[str, list]:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """Per-chip bytes of the compiled step (``compiled.memory_analysis()``)."""
+    """Per-chip bytes of the compiled step (``compiled.memory_analysis()``), its per-chip cost
+    (``compiled.cost_analysis()``: FLOPs including rematerialized ones, bytes accessed) and the roofline they
+    imply: a step takes at least ``max(flops / peak, bytes / HBM bandwidth)``; ``roofline_mfu`` is the model's
+    own FLOPs (``metrics.train_flops_per_token``, no remat) per chip over that time at peak."""
 
     topology: str
     num_chips: int
@@ -73,11 +79,28 @@ class MemoryReport:
     aliased: int
     generated_code: int
     hbm: int
+    compile_s: float = 0.0
+    flops: float = 0.0           # per chip per step, from the compiler
+    bytes_accessed: float = 0.0  # per chip per step, from the compiler
+    model_flops: float = 0.0     # per chip per step: 6 N + causal attention per token (no remat)
+    peak_flops: float = 0.0
+    hbm_bandwidth: float = 0.0
 
     @property
     def total(self) -> int:
         """Peak estimate: live arguments + outputs + temporaries (donated outputs alias inputs) + code."""
         return self.arguments + self.outputs - self.aliased + self.temporaries + self.generated_code
+
+    @property
+    def roofline_step_s(self) -> float:
+        """Lower bound on the step time (seconds): compute- or HBM-bound, whichever is slower."""
+        return max(self.flops / self.peak_flops, self.bytes_accessed / self.hbm_bandwidth) if self.peak_flops else 0.0
+
+    @property
+    def roofline_mfu(self) -> float:
+        """Model FLOPs utilization at the roofline step time (an upper bound on the MFU a run can reach)."""
+        step = self.roofline_step_s
+        return self.model_flops / (step * self.peak_flops) if step else 0.0
 
     def table(self) -> str:
         rows = [("arguments (params, opt state, batch)", self.arguments), ("outputs", self.outputs),
@@ -85,6 +108,10 @@ class MemoryReport:
                 ("generated code", self.generated_code), ("total per chip", self.total), ("HBM per chip", self.hbm)]
         lines = [f"{self.topology}: {self.num_chips} chips"] + [f"  {k:<38} {v / GiB:9.2f} GiB" for k, v in rows]
         lines.append(f"  fits: {'yes' if self.total <= self.hbm else 'NO'} ({100 * self.total / self.hbm:.1f}% of HBM)")
+        if self.flops:
+            lines += [f"  compile {self.compile_s:.1f} s; per chip per step: {self.flops / 1e12:.1f} TFLOP compiled "
+                      f"({self.model_flops / 1e12:.1f} model), {self.bytes_accessed / GiB:.1f} GiB accessed",
+                      f"  roofline step {self.roofline_step_s:.2f} s, MFU at most {100 * self.roofline_mfu:.1f}%"]
         return "\n".join(lines)
 
 
@@ -118,6 +145,7 @@ def aot_memory_report(run_cfg, topology: str, *, check_fit: bool = True) -> Memo
     generation, devices = topology_devices(topology)
     mesh = sharding.make_mesh(run_cfg.mesh, devices)
     hbm = HBM_BYTES[generation]
+    start = time.perf_counter()
     try:
         compiled = compile_train_step(run_cfg, mesh)
     except Exception as e:
@@ -125,10 +153,19 @@ def aot_memory_report(run_cfg, topology: str, *, check_fit: bool = True) -> Memo
             raise DoesNotFitError(f"{topology}: the train step does not fit in {hbm / GiB:.0f} GiB HBM per chip "
                                   f"(TPU compiler: {str(e)[:800]})") from e
         raise
+    compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    tc = run_cfg.train
+    tokens = tc.global_batch_size * run_cfg.data.seq_len
+    model_flops = metrics.train_flops_per_token(run_cfg.model, run_cfg.data.seq_len) * tokens / len(devices)
     report = MemoryReport(topology=topology, num_chips=len(devices), arguments=mem.argument_size_in_bytes,
                           outputs=mem.output_size_in_bytes, temporaries=mem.temp_size_in_bytes,
-                          aliased=mem.alias_size_in_bytes, generated_code=mem.generated_code_size_in_bytes, hbm=hbm)
+                          aliased=mem.alias_size_in_bytes, generated_code=mem.generated_code_size_in_bytes, hbm=hbm,
+                          compile_s=compile_s, flops=float(cost.get("flops", 0.0)),
+                          bytes_accessed=float(cost.get("bytes accessed", 0.0)), model_flops=model_flops,
+                          peak_flops=PEAK_BF16_FLOPS[generation], hbm_bandwidth=HBM_BANDWIDTH[generation])
     if check_fit and report.total > hbm:
         raise DoesNotFitError(f"the train step needs {report.total / GiB:.2f} GiB per chip but a {generation} chip "
                               f"has {hbm / GiB:.0f} GiB HBM:\n{report.table()}")

@@ -28,24 +28,21 @@ from flax import nnx
 
 from rag_jax.inference.kv_store import WeightsWatch
 from rag_jax.model.embedding import pad_length
-from rag_jax.model.transformer import Transformer
+from rag_jax.model.transformer import Transformer, to_scanned, to_unrolled
 from rag_jax.progress import progress_bar
 
 
-def _assemble(model: Transformer, num_layers: int, params: dict) -> Transformer:
-    """A new ``Transformer`` like ``model`` with ``num_layers`` layers holding ``params`` (a pure dict)."""
-    cfg = model.config.replace(num_layers=num_layers)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0),
-                                                                   remat_policy=model.remat_policy)))
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
-
-
 def _sub_model(model: Transformer, layers: Sequence[int]) -> Transformer:
-    """A ``Transformer`` of ``model``'s ``layers`` (renumbered from 0), embedding, final norm and head; the
-    arrays are shared, not copied."""
+    """A ``Transformer`` of ``model``'s ``layers`` (renumbered from 0, with their windows), embedding, final
+    norm and head; the arrays are shared, not copied."""
+    cfg = model.config
+    types = cfg.layer_types and tuple(cfg.layer_types[j] for j in layers)
+    sub = cfg.replace(num_layers=len(layers), layer_types=types)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(sub, rngs=nnx.Rngs(0),
+                                                                   remat_policy=model.remat_policy)))
     full = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return _assemble(model, len(layers), {**full, "layers": {i: full["layers"][j] for i, j in enumerate(layers)}})
+    nnx.replace_by_pure_dict(state, {**full, "layers": {i: full["layers"][j] for i, j in enumerate(layers)}})
+    return nnx.merge(graphdef, state)
 
 
 def split_model(model: Transformer, top_layers: int) -> tuple[Transformer, Transformer]:
@@ -56,6 +53,7 @@ def split_model(model: Transformer, top_layers: int) -> tuple[Transformer, Trans
     n = model.config.num_layers
     if not 1 <= top_layers < n:
         raise ValueError(f"top_layers={top_layers} must be in [1, num_layers={n}) (a frozen bottom and a trained top)")
+    model = to_unrolled(model)  # the parts are unrolled models (a scanned model is copied once)
     return _sub_model(model, range(n - top_layers)), _sub_model(model, range(n - top_layers, n))
 
 
@@ -72,6 +70,8 @@ def merge_top(model: Transformer, top_params: nnx.State) -> Transformer:
     Raises:
       ValueError: the top has no layers or as many as the full model.
     """
+    if model.config.scan_layers:
+        return to_scanned(merge_top(to_unrolled(model), top_params))
     full, top = nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(top_params)
     n, k = len(full["layers"]), len(top["layers"])
     if not 1 <= k < n:

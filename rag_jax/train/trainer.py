@@ -58,7 +58,9 @@ class TrainConfig:
       grad_accum_steps: micro-batches per step.
       seed: parameter init and per-step PRNG seed.
       precision: "fp32", "bf16" (bf16 compute, fp32 master params/optimizer) or "bf16_pure".
-      remat_policy: "none", "full" (recompute each layer in backward) or "dots" (save matmul outputs).
+      remat_policy: "none", "full" (recompute each layer in backward), "dots" (save matmul outputs) or a
+        MaxText-style named choice saving only some projections: "save_qkv_proj", "save_qkv_out_proj",
+        "save_qkv_out_mlpwi" (``model.transformer.REMAT_NAMES``).
       objective: "lm" (packed, block mask), "lm_causal", or "package.module:attr" naming a loss_fn or a
         class whose no-argument instance is one.
       log_every / eval_every: steps between log lines / held-out evaluations (0 = only at the end).
