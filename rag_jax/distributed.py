@@ -81,14 +81,26 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             f"process_id (got {process_id!r}); pass them or set {ENV_COORDINATOR} / {ENV_PROCESS_ID}")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id={process_id} must be in [0, {num_processes})")
+    _start(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
+
+
+def initialize_from_cluster() -> None:
+    """``jax.distributed.initialize()`` with everything read from the cluster (Cloud TPU pods, SLURM: the
+    coordinator is the first node of ``SLURM_STEP_NODELIST``, the process id ``SLURM_PROCID``), with the same
+    CPU collectives and peer watchdog as ``initialize``. Call before any other JAX operation."""
+    _start()
+
+
+def _start(**kwargs) -> None:
     platforms = os.environ.get("JAX_PLATFORMS", "") or str(jax.config.jax_platforms or "")
     if platforms.split(",")[0] == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeout_s = _env_float(ENV_PEER_TIMEOUT, 10.0)
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(**kwargs)
     from jax._src import distributed as jax_distributed  # the coordination-service client (no public handle)
-    client = getattr(jax_distributed.global_state, "client", None)
+    state = jax_distributed.global_state
+    process_id, num_processes = state.process_id, state.num_processes
+    client = getattr(state, "client", None)
     if all(hasattr(client, m) for m in ("key_value_set", "key_value_dir_get")):
         PeerWatchdog(client, process_id, num_processes, timeout_s).start()
     else:  # a JAX without this client API: peers fail at JAX's own heartbeat timeout instead

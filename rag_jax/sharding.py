@@ -185,6 +185,11 @@ def activation_rules(mesh: Mesh, rules: Rules = DEFAULT_RULES):
         _ACTIVE.pop()
 
 
+def active() -> tuple[Mesh, Rules] | None:
+    """The ``(mesh, rules)`` of the innermost ``activation_rules`` context, or None outside one."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """``with_sharding_constraint`` by logical names, e.g. ``constrain(h, ("batch", "seq", "embed"))``."""
     if not _ACTIVE:

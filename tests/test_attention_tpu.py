@@ -81,3 +81,61 @@ def test_splash_block_attention_compiles_for_v5p(_compile_only_libtpu):
     # forward: local + global kernel calls; backward: dq and dkv kernels for each
     assert text.count("tpu_custom_call") >= 4
     assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_partitioned_kernel_call_equals_one_call_on_the_whole_arrays(kv_heads):
+    """``kernels.partitioned`` inside a data 2 x fsdp 2 x tensor 2 mesh: rows split 4 ways and heads 2 ways (or
+    heads kept whole where the KV heads do not divide) give the unsplit result, outputs and gradients."""
+    from rag_jax import sharding
+    from rag_jax.model.blockwise import blockwise_attention
+
+    rng = np.random.default_rng()
+    b, cache_len, q_len, heads, d = 4, 48, 40, 4, 16
+    spec = _block_spec_with_cache(rng, b, cache_len, q_len)
+    q, k, v = _arr(rng, b, q_len, heads, d), _arr(rng, b, cache_len + q_len, kv_heads, d), \
+        _arr(rng, b, cache_len + q_len, kv_heads, d)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
+    seen = []
+
+    def kernel(q, k, v, spec):
+        seen.append((q.shape, k.shape, spec.q_segment_ids.shape))
+        return blockwise_attention(q, k, v, spec)[0]
+
+    def loss(q, k, v):
+        return (kernels.partitioned(kernel)(q, k, v, spec) ** 2).sum()
+    with sharding.activation_rules(mesh):
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    split_heads = heads // 2 if kv_heads == 2 else heads
+    assert seen[0] == ((1, q_len, split_heads, d), (1, cache_len + q_len, kv_heads // (2 if kv_heads == 2 else 1), d),
+                       (1, q_len))
+    want, want_grads = jax.value_and_grad(lambda q, k, v: (attend(q, k, v, spec, impl="dense") ** 2).sum(),
+                                          argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for a, b_ in zip(grads, want_grads):
+        np.testing.assert_allclose(a, b_, atol=TOL, rtol=0)
+
+
+def test_sharded_train_step_with_splash_has_no_qkv_all_gather(_compile_only_libtpu):
+    """The train step with splash attention on v5p-8 (fsdp 2 x tensor 2) compiles (a Mosaic call outside
+    shard_map cannot be partitioned at all), calls the kernel per shard, and no all-gather in the compiled
+    program produces a q/k/v-shaped array ``[rows, seq, heads, head_dim]``."""
+    import re
+
+    from rag_jax import sharding
+    from rag_jax.train import aot
+    from rag_jax.train.trainer import load_run_config
+
+    seq, head_dim = 512, 128
+    cfg = load_run_config(None, [
+        "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2", f"model.head_dim={head_dim}",
+        "model.intermediate_size=512", "model.num_layers=2", "model.vocab_size=1024", f"model.max_seq_len={seq}",
+        "model.attention_impl=splash", "model.dtype=bfloat16", f"data.seq_len={seq}", "train.global_batch_size=4",
+        "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "train.objective=lm_causal"])
+    _, devices = aot.topology_devices("v5p-8")
+    text = aot.compile_train_step(cfg, sharding.make_mesh(cfg.mesh, devices)).as_text()
+    assert text.count("tpu_custom_call") >= 4    # forward and backward kernels of both layers
+    gathered = re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather(?:-start)?\(", text)
+    assert gathered                               # FSDP weight gathers are there ...
+    shapes = [tuple(map(int, s.split(","))) for s in gathered]
+    assert not [s for s in shapes if len(s) == 4 and seq in s and s[-1] == head_dim]   # ... but no q/k/v

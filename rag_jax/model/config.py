@@ -171,6 +171,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                  num_kv_heads=2, max_seq_len=1024),
     "cpu-small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
                       num_kv_heads=2, max_seq_len=2048),
+    # SmolLM2-135M's shape (random weights: benchmarks where the GGUF cannot travel, e.g. to a lent device).
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                         num_kv_heads=3, rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True,
+                         rms_norm_eps=1e-5),
     # Llama 3.2 1B (tied embeddings, Llama-3.1 RoPE scaling).
     "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
                         num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,

@@ -12,12 +12,22 @@
 Whether a spec is expressible is partly static (mode, window, dtype, lengths) and partly a property of
 the values (right padding, default orders, contiguous positions): the value part is checked inside the
 trace and selects the kernel or the blockwise path with ``lax.cond``.
+
+Inside a mesh (``sharding.activation_rules``, as in the train step) both dispatchers run under
+``jax.shard_map``: rows split over the mesh axes of logical ``batch`` (data, fsdp) and heads over those of
+``heads`` / ``kv_heads`` (tensor) where both head counts divide, so each chip calls the kernel on its own
+rows and heads and XLA gathers no q/k/v around it (the partitioner cannot split a Pallas or cuDNN call
+itself; MaxText wraps splash the same way). Attention is independent per row and per KV-head group, so
+the result is the same as one call on the whole arrays.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
+from rag_jax import sharding
 from rag_jax.model.blockwise import blockwise_attention, kernel_layout
 from rag_jax.model.masks import MaskSpec
 
@@ -63,7 +73,30 @@ def cudnn_attention(q, k, v, spec: MaskSpec, *, implementation: str | None = "cu
     return _zero_invalid_queries(out, spec)
 
 
+def partitioned(fn):
+    """``fn(q, k, v, spec) -> out`` (shapes as ``attention.attend``) run per shard under ``jax.shard_map`` over
+    the active mesh (module doc); outside a mesh, or with a single device, ``fn`` itself."""
+    def run(q, k, v, spec: MaskSpec):
+        active = sharding.active()
+        if active is None or active[0].size == 1:
+            return fn(q, k, v, spec)
+        mesh, rules = active
+        q_spec = sharding.logical_to_spec(("batch", None, "heads", None), mesh, rules, q.shape)
+        kv_spec = sharding.logical_to_spec(("batch", None, "kv_heads", None), mesh, rules, k.shape)
+        if q_spec[2] != kv_spec[2]:  # heads split only where query and KV heads split alike (GQA groups stay whole)
+            q_spec, kv_spec = P(q_spec[0], None, None, None), P(kv_spec[0], None, None, None)
+        rows = jax.tree.map(lambda _: P(q_spec[0], None), spec)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, rows), out_specs=q_spec,
+                             check_vma=False)(q, k, v, spec)
+    return run
+
+
 def cudnn_or_blockwise(q, k, v, spec: MaskSpec):
+    """cuDNN where ``spec`` is expressible, else blockwise; per shard inside a mesh (``partitioned``)."""
+    return partitioned(_cudnn_or_blockwise)(q, k, v, spec)
+
+
+def _cudnn_or_blockwise(q, k, v, spec: MaskSpec):
     def blockwise(q, k, v, spec):
         return blockwise_attention(q, k, v, spec)[0]
     if not cudnn_expressible(q, spec):
@@ -107,6 +140,11 @@ def splash_attention(q, k, v, spec: MaskSpec, *, interpret: bool = False):
 
 
 def splash_or_blockwise(q, k, v, spec: MaskSpec):
+    """Splash where ``spec`` is expressible, else blockwise; per shard inside a mesh (``partitioned``)."""
+    return partitioned(_splash_or_blockwise)(q, k, v, spec)
+
+
+def _splash_or_blockwise(q, k, v, spec: MaskSpec):
     def blockwise(q, k, v, spec):
         return blockwise_attention(q, k, v, spec)[0]
     if not splash_expressible(spec):

@@ -42,8 +42,7 @@ def train(argv: list[str] | None = None):
 
     cfg = trainer.load_run_config(args.config, args.overrides)
     if args.auto_distributed:
-        import jax
-        jax.distributed.initialize()
+        distributed.initialize_from_cluster()
     else:
         distributed.initialize()
     result = trainer.run(cfg)

@@ -17,6 +17,7 @@ import jax
 
 from rag_jax.atomic import write_text
 from rag_jax.model import ModelConfig
+from rag_jax.model.transformer import REMAT_NAMES
 
 # Dense bf16 peak FLOP/s per chip (vendor data sheets; research note jax_frameworks.md section 5).
 PEAK_FLOPS = {
@@ -38,6 +39,26 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -
     """Model FLOPs of one training step (forward + backward) per token at ``seq_len`` tokens per row."""
     attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
     return 6.0 * matmul_params(cfg) + (attention / 2 if causal else attention)
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, remat_policy: str) -> float:
+    """FLOPs per token the backward spends recomputing forward work under ``remat_policy``
+    (``model.transformer.REMAT_POLICIES``): what the policy does not save of each layer's forward, i.e. all of
+    it (``full``), the batched attention products (``dots`` saves only matmuls without batch dimensions), or
+    everything but the named projections; causal attention counted at half, as ``train_flops_per_token``.
+    Model FLOPs plus this is the hardware work of a step."""
+    h, hd, m = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    parts = {"qkv_proj": 2 * h * hd * (cfg.num_heads + 2 * cfg.num_kv_heads), "out_proj": 2 * cfg.num_heads * hd * h,
+             "mlpwi": 4 * h * m, "down": 2 * m * h, "attention": 2 * seq_len * cfg.num_heads * hd}
+    if remat_policy == "none":
+        return 0.0
+    if remat_policy == "dots":
+        kept = ("qkv_proj", "out_proj", "mlpwi", "down")
+    elif remat_policy == "full":
+        kept = ()
+    else:
+        kept = REMAT_NAMES[remat_policy]
+    return float(cfg.num_layers * sum(v for k, v in parts.items() if k not in kept))
 
 
 def peak_flops_per_device(device: jax.Device | None = None, override: float | None = None) -> float | None:
