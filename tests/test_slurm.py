@@ -1,6 +1,7 @@
-"""``sbatch train/launch_slurm.sh`` on a real one-node SLURM cluster started by the fixture (Debian's
-``slurm-wlm`` and ``munge``, installed by ``.ci/run``): a 2-task CPU job (``srun``, ``jax.distributed`` reading
-the SLURM environment, gloo collectives) trains like one process with the same global devices."""
+"""The launchers for real: ``sbatch train/launch_slurm.sh`` on a one-node SLURM cluster started by the fixture
+(Debian's ``slurm-wlm`` and ``munge``, installed by ``.ci/run``): a 2-task CPU job (``srun``, ``jax.distributed``
+reading the SLURM environment, gloo collectives) trains like one process with the same global devices; and the
+TPU pod launcher's dry run (the command each worker would get)."""
 import os
 import shutil
 import socket
@@ -122,3 +123,23 @@ def test_sbatch_two_task_job_equals_one_process(cluster, tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert (out / "ckpt" / "4").is_dir()                 # the two tasks wrote one multi-host checkpoint
     print(f"SLURM job: {seconds:.0f} s")
+
+
+def test_tpu_pod_launcher_dry_run_issues_one_command_per_worker_with_args_intact():
+    """``DRY_RUN=1 train/launch_tpu_pod.sh``: the gcloud command it would issue (every worker, the same training
+    command); an override with a space reaches the remote shell as one argument."""
+    import shlex
+
+    args = ["--config", "train/configs/llama3_8b_v5p.yaml", "data.data_dir=gs://b/my dir", "checkpoint.dir=gs://b/c"]
+    run = subprocess.run(["bash", str(ROOT / "train" / "launch_tpu_pod.sh"), *args], capture_output=True, text=True,
+                         env={**os.environ, "DRY_RUN": "1", "TPU_NAME": "pod-1", "ZONE": "us-east5-a"}, timeout=30)
+    assert run.returncode == 0, run.stderr
+    argv = shlex.split(run.stdout)
+    assert argv[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod-1"]
+    assert "--worker=all" in argv and argv[argv.index("--zone") + 1] == "us-east5-a"
+    remote = shlex.split(argv[argv.index("--command") + 1])
+    assert remote[:7] == ["cd", "~/rag-jax", "&&", "python", "-m", "train.train", "--auto_distributed"]
+    assert remote[7:] == args
+    missing = subprocess.run(["bash", str(ROOT / "train" / "launch_tpu_pod.sh")], capture_output=True, text=True,
+                             env={k: v for k, v in os.environ.items() if k not in ("TPU_NAME", "ZONE")}, timeout=30)
+    assert missing.returncode != 0 and "set TPU_NAME" in missing.stderr

@@ -7,9 +7,15 @@
 #
 # Prerequisites on every worker: the repo at $REPO_DIR and `pip install -e ".[tpu]"`. Check memory first on
 # any machine:  python -m train.aot --config train/configs/llama3_8b_v5p.yaml --topology v5p-64
+# DRY_RUN=1 prints the command every worker would get instead of running it (tests/test_slurm.py checks it).
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
 REPO_DIR="${REPO_DIR:-~/rag-jax}"
 ARGS=$(printf ' %q' "$@")
-gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all \
-    --command "cd $REPO_DIR && python -m train.train --auto_distributed $ARGS"
+CMD=(gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all
+     --command "cd $REPO_DIR && python -m train.train --auto_distributed$ARGS")
+if [ -n "${DRY_RUN:-}" ]; then
+    printf '%q ' "${CMD[@]}"; echo
+else
+    "${CMD[@]}"
+fi
