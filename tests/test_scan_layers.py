@@ -136,6 +136,11 @@ def test_adamw_train_step_on_a_mesh_equals_the_unrolled_stack():
         results.append((to_unrolled(nnx.merge(graphdef, state.params)), losses))
     (u, loss_u), (s, loss_s) = results
     np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5)
+    # a pretrained unrolled model's parameters start a scanned run (and the reverse), values unchanged
+    for cfg, start in ((CFG.replace(scan_layers=True), u), (CFG, to_scanned(u))):
+        _, state, _ = step_lib.init_train_state(cfg, tx, mesh, params=nnx.state(start, nnx.Param))
+        jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(to_unrolled(nnx.merge(
+            nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0))), state.params)))), nnx.to_pure_dict(nnx.state(u)))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                  nnx.to_pure_dict(nnx.state(s)), nnx.to_pure_dict(nnx.state(u)))
 
@@ -186,3 +191,18 @@ def test_em_llm_streams_a_scanned_model_like_the_unrolled_one():
     em_cfg = EMLLMConfig(n_init=4, n_local=32, n_mem=64, chunk_size=16, min_block_size=4, max_block_size=8)
     got, want = (EMLLM(m, em_cfg).prefill(tokens, return_all_logits=True) for m in (scanned, unrolled))
     np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_block_attention_serves_a_scanned_model_like_the_unrolled_one():
+    """``BlockAttention`` (passage KV cached, re-encoded to its offset, the last block global) on both layouts."""
+    from rag_jax.inference.block_attention import BlockAttention
+    from rag_jax.inference.kv_store import KVStore
+
+    cfg = CFG.replace(sliding_window=None, layer_types=None)
+    unrolled, scanned = _pair(cfg)
+    rng = np.random.default_rng()
+    blocks = [list(rng.integers(0, cfg.vocab_size, int(n))) for n in rng.integers(3, 12, 4)]
+    for mode in ("block", "full"):
+        got, want = (np.asarray(BlockAttention(m, store=KVStore(1 << 24)).prefill(blocks, mode=mode).logits)
+                     for m in (scanned, unrolled))
+        np.testing.assert_allclose(got, want, **TOL)

@@ -20,6 +20,7 @@ built for it), then ``run`` with ``python -m rag_jax bench accelerator --out $OU
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import platform
@@ -103,8 +104,6 @@ def prefill(preset: str, dtype: str, tokens: int) -> dict:
 
 def bench_main(name: str, argv: list[str]) -> dict:
     """Another benchmark's ``main(argv)``, its printed tables kept as text."""
-    import importlib
-
     module = importlib.import_module(f"rag_jax.benchmarks.{name}")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

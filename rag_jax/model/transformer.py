@@ -437,6 +437,20 @@ def _stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
     return stacked
 
 
+def relayout_params(values: dict, num_layers: int, scan: bool) -> dict:
+    """A pure parameter dict (``nnx.to_pure_dict``) of either layer layout in the layout ``scan`` asks for:
+    ``layers: {i: {...}}`` (unrolled) <-> ``layers: {...}`` with a leading axis of ``num_layers`` (scanned)."""
+    layers = values["layers"]
+    stacked = not (0 in layers or "0" in layers)
+    if stacked == scan:
+        return values
+    if scan:
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *[layers.get(i, layers.get(str(i))) for i in range(num_layers)])
+    else:
+        layers = {i: jax.tree.map(lambda a: a[i], layers) for i in range(num_layers)}
+    return {**values, "layers": layers}
+
+
 def _relayout(model: "Transformer", scan: bool) -> "Transformer":
     cfg = model.config
     if cfg.scan_layers == scan:
@@ -444,13 +458,7 @@ def _relayout(model: "Transformer", scan: bool) -> "Transformer":
     abstract = nnx.eval_shape(lambda: Transformer(cfg.replace(scan_layers=scan), rngs=nnx.Rngs(0),
                                                   remat_policy=model.remat_policy))
     graphdef, state = nnx.split(abstract)
-    values = nnx.to_pure_dict(nnx.state(model))
-    layers = values["layers"]
-    if scan:
-        values["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(cfg.num_layers)])
-    else:
-        values["layers"] = {i: jax.tree.map(lambda a: a[i], layers) for i in range(cfg.num_layers)}
-    nnx.replace_by_pure_dict(state, values)
+    nnx.replace_by_pure_dict(state, relayout_params(nnx.to_pure_dict(nnx.state(model)), cfg.num_layers, scan))
     return nnx.merge(graphdef, state)
 
 

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rag_jax import sharding
 from rag_jax.model import ModelConfig, Transformer
+from rag_jax.model.transformer import relayout_params
 
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]
 
@@ -62,14 +63,20 @@ def init_train_state(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: M
     """Create params and optimizer state directly in their shardings (no host-side full copy).
 
     Args:
-      params: start from these parameters (e.g. a pretrained model's ``nnx.split(model)[1]``, matching ``cfg``)
-        instead of a random initialization; they are resharded into the train state's layout.
+      params: start from these parameters (e.g. a pretrained model's ``nnx.split(model)[1]``, matching ``cfg``
+        up to the layer layout: unrolled parameters are stacked for ``cfg.scan_layers`` and vice versa) instead of
+        a random initialization; they are resharded into the train state's layout.
 
     Returns:
       ``(graphdef, TrainState, shardings: TrainState of NamedSharding)``.
     """
     graphdef, abstract, specs = abstract_train_state(cfg, tx, seed=seed, remat_policy=remat_policy)
     shardings = train_state_shardings(abstract, specs, tx, mesh, rules)
+
+    if params is not None:  # a pretrained model's parameters in either layer layout (ModelConfig.scan_layers)
+        values = relayout_params(nnx.to_pure_dict(params), cfg.num_layers, cfg.scan_layers)
+        params = jax.tree.map(lambda x: x, abstract.params)
+        nnx.replace_by_pure_dict(params, values)
 
     def init(start):
         if start is None:
