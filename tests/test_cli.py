@@ -21,7 +21,7 @@ def test_unknown_name_is_one_line_error(capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "nosuch" in err and all(name in err for name in cli.EVALS)
     assert cli.main(["bench", "block_quality"]) == 2       # an eval name is not a bench
-    assert "valid: attention, em_llm_bench" in capsys.readouterr().err
+    assert "valid: " + ", ".join(sorted(cli.BENCHES)) in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("verb,name", [("bench", n) for n in cli.BENCHES] + [("eval", n) for n in cli.EVALS])
@@ -157,6 +157,13 @@ BAD_SCRIPT_INPUT = [
     ("bench", "ttft", ["--model", "no-such-model"], "--model"),
     ("bench", "ttft", ["--last_len", "-1"], "--last_len"),
     ("bench", "ttft", ["--sizes", "40", "--last_len", "50"], "--sizes"),
+    ("bench", "accelerator", ["--steps", "nosuch", "--out", "{tmp}/a.json"], "--steps"),
+    ("bench", "accelerator", ["--out", "{tmp}/a.json"], "--cpu-smoke"),          # the full run needs a GPU
+    ("bench", "scan_layers", ["--layers", "0"], "--layers"),
+    ("bench", "scan_layers", ["--seq", "0"], "--seq"),
+    ("bench", "scan_layers", ["--remat", "nosuch"], "--remat"),
+    ("bench", "scan_layers", ["--speed", "--steps", "0"], "--steps"),
+    ("bench", "scan_layers", ["--heads", "9", "--kv-heads", "2"], "num_kv_heads"),
 ]
 
 
