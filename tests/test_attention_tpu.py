@@ -112,8 +112,8 @@ def test_partitioned_kernel_call_equals_one_call_on_the_whole_arrays(kv_heads):
     want, want_grads = jax.value_and_grad(lambda q, k, v: (attend(q, k, v, spec, impl="dense") ** 2).sum(),
                                           argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_allclose(value, want, rtol=1e-5)
-    for a, b_ in zip(grads, want_grads):
-        np.testing.assert_allclose(a, b_, atol=TOL, rtol=0)
+    for a, b_ in zip(grads, want_grads):   # gradients of a sum of squares reach ~20: fp32 reordering is relative
+        np.testing.assert_allclose(a, b_, atol=TOL, rtol=1e-5)
 
 
 def test_sharded_train_step_with_splash_has_no_qkv_all_gather(_compile_only_libtpu):

@@ -142,6 +142,7 @@ BAD_SCRIPT_INPUT = [
     ("bench", "model_vs_torch", ["--lr", "nan"], "--lr"),
     ("bench", "model_vs_torch", ["--batch", "-1"], "--batch"),
     ("bench", "model_vs_torch", ["--iters", "1.5"], "--iters"),
+    ("bench", "model_vs_torch", ["--layers", "2", "--train-top", "3"], "--train-top"),
     ("bench", "retrieval_bench", ["--sizes", "-5"], "--sizes"),
     ("bench", "retrieval_bench", ["--target-recall", "nan"], "--target-recall"),
     ("bench", "retrieval_bench", ["--k", "0"], "--k"),

@@ -12,6 +12,12 @@ reports the median over rounds, so background load on a shared machine hits both
     # SmolLM2-135M dims (8 of its 30 layers), both sides on the same 2 cores
     rag-jax bench model_vs_torch --hidden 576 --intermediate 1536 --layers 8 --heads 9 --kv_heads 3 \
         --vocab 49152 --seq 1024 --batch 4 --iters 5 --threads 2 --rounds 2
+    # the same, only the top 4 layers (and the final norm) trained, as Block-Attention / GRIT recipes do
+    rag-jax bench model_vs_torch ... --train-top 4
+
+``--train-top K`` trains the top K layers and the final norm: rag-jax through its own path (the train step's
+stop-gradient mask and ``optimizer.trainable``, i.e. ``rag_jax.train.optim.make_optimizer``: AdamW + clipping,
+the frozen updates zeroed), torch with ``requires_grad=False`` below and AdamW over the trained parameters only.
 
 Measured ratios (with the command, the machine and its load) are in README.md's Results and
 ``bench/PROFILE.md``, not here.
@@ -36,23 +42,32 @@ from rag_jax.evaluation.args import ScriptParser, add_model_dims, integer, model
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import cpu_threads, median_ms
 from rag_jax.model import ModelConfig, Transformer
+from rag_jax.train import optim
+from rag_jax.train.block_finetune import top_layers
 
 
 def _median_seconds(fn, warmup: int, iters: int) -> float:
     return median_ms(fn, iters, warmup=warmup) / 1e3
 
 
-def bench_jax(cfg: ModelConfig, tokens: np.ndarray, lr: float, warmup: int, iters: int) -> tuple[float, float]:
+def bench_jax(cfg: ModelConfig, tokens: np.ndarray, lr: float, warmup: int, iters: int,
+              train_top: int = 0) -> tuple[float, float]:
     mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     data = lm_rows(tokens, mesh)
     forward = jax.jit(lambda params, d: nnx.merge(graphdef, params)(
         d["tokens"], d["positions"], d["segment_ids"], mode="causal").logits)
     fwd_s = _median_seconds(lambda: forward(params, data).block_until_ready(), warmup, iters)
-    return fwd_s, train_step_seconds(cfg, optax.adamw(lr), mesh, tokens, iters, warmup)
+    if not train_top:
+        return fwd_s, train_step_seconds(cfg, optax.adamw(lr), mesh, tokens, iters, warmup)
+    trainable = top_layers(cfg.num_layers, train_top)
+    tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=lr, warmup_steps=0, decay="constant",
+                                                    trainable=trainable), 1000)
+    return fwd_s, train_step_seconds(cfg, tx, mesh, tokens, iters, warmup, trainable=trainable)
 
 
-def bench_torch(cfg: ModelConfig, tokens: np.ndarray, lr: float, warmup: int, iters: int) -> tuple[float, float]:
+def bench_torch(cfg: ModelConfig, tokens: np.ndarray, lr: float, warmup: int, iters: int,
+                train_top: int = 0) -> tuple[float, float]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -72,11 +87,22 @@ def bench_torch(cfg: ModelConfig, tokens: np.ndarray, lr: float, warmup: int, it
 
     fwd_s = _median_seconds(forward, warmup, iters)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    if train_top:
+        trained = [*model.model.layers[cfg.num_layers - train_top:], model.model.norm]
+        for param in model.parameters():
+            param.requires_grad_(False)
+        for module in trained:
+            module.requires_grad_(True)
+        clip = [p for m in trained for p in m.parameters()]
+    else:
+        clip = list(model.parameters())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
     def one_step():
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if train_top:  # rag-jax's top-k path clips the trained parameters' global norm
+            torch.nn.utils.clip_grad_norm_(clip, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -95,8 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=integer(0), default=0,
                    help="cores: each side's process pinned to the same first N cores, torch threads N (0 = unpinned)")
     p.add_argument("--rounds", type=integer(1), default=1, help="alternating jax/torch process pairs (median)")
+    p.add_argument("--train-top", type=integer(0), default=0,
+                   help="train only the top K layers and the final norm, both sides (0 = all parameters)")
     p.add_argument("--side", default=None, choices=["jax", "torch"], help=argparse.SUPPRESS)  # one worker
     args = p.parse_args(argv)
+    if args.train_top > args.layers:
+        p.error(f"--train-top {args.train_top} must be at most --layers {args.layers}")
 
     cfg = ModelConfig(**model_dims(args), max_seq_len=max(args.seq, 2048))
     tokens = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq)).astype(np.int32)
@@ -104,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.side:
         cores = cpu_threads(args.threads)  # before the first JAX computation / torch op
         bench = bench_jax if args.side == "jax" else bench_torch
-        fwd, step = bench(cfg, tokens, args.lr, args.warmup, args.iters)
+        fwd, step = bench(cfg, tokens, args.lr, args.warmup, args.iters, args.train_top)
         print(json.dumps(dict(forward=fwd, step=step, cores=cores, torch_threads=torch.get_num_threads())), flush=True)
         return 0
     forwarded = list(argv if argv is not None else sys.argv[1:])
@@ -120,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     med = {side: {k: statistics.median(r[k] for r in rs) for k in ("forward", "step")} for side, rs in runs.items()}
 
     print(f"config: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv heads, "
-          f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, fp32; jax {jax.__version__}, "
+          f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}, fp32, "
+          f"{f'top {args.train_top} layers trained' if args.train_top else 'all parameters trained'}; jax {jax.__version__}, "
           f"torch {torch.__version__} ({runs['torch'][0]['torch_threads']} threads); cores "
           f"{runs['jax'][0]['cores'] or 'unpinned'}; median of {args.iters} iterations, {args.rounds} round(s)")
     print(table(["measure", "rag-jax tok/s", "torch tok/s", "jax/torch"],

@@ -45,10 +45,14 @@ def lm_rows(tokens: np.ndarray, mesh) -> dict[str, jax.Array]:
 
 
 def train_step_seconds(cfg: ModelConfig, tx, mesh, tokens: np.ndarray, steps: int, warmup: int,
-                       remat: str = "none") -> float:
-    """Median seconds per train step (causal LM loss, ``rag_jax.train.step``) on :func:`lm_rows` of ``tokens``."""
+                       remat: str = "none", trainable: str | None = None) -> float:
+    """Median seconds per train step (causal LM loss, ``rag_jax.train.step``) on :func:`lm_rows` of ``tokens``.
+
+    ``trainable``: ``optimizer.trainable`` regex; the others are frozen the way training freezes them (the
+    step's stop-gradient mask; ``tx`` should be built with the same regex)."""
     graphdef, state, shardings = step_lib.init_train_state(cfg, tx, mesh, remat_policy=remat)
-    train_step = step_lib.make_train_step(graphdef, tx, LMLoss("causal"), shardings, mesh)
+    mask = optim.trainable_mask(optim.OptimizerConfig(trainable=trainable), state.params)
+    train_step = step_lib.make_train_step(graphdef, tx, LMLoss("causal"), shardings, mesh, trainable=mask)
     data, holder = lm_rows(tokens, mesh), {"state": state}
 
     def one_step():
