@@ -19,8 +19,8 @@ import time
 
 EVALS = ("block_distill", "block_nq", "block_quality", "grit_eval", "grit_pretrained", "long_context", "passkey", "rag_qa",
          "retrieval_nq", "retrieval_recall")
-BENCHES = ("accelerator", "attention", "em_llm_bench", "grit_caching", "load_and_speed", "model_vs_torch", "retrieval_bench",
-           "scan_layers", "train_bench", "ttft")
+BENCHES = ("accelerator", "attention", "em_llm_bench", "grit_caching", "load_and_speed", "magicpig", "model_vs_torch",
+           "retrieval_bench", "scan_layers", "train_bench", "ttft")
 SCRIPTS = {"eval": ("rag_jax.evaluation", EVALS), "bench": ("rag_jax.benchmarks", BENCHES)}
 # Verbs whose arguments belong to another module's parser: (module, leading arguments).
 DISPATCH = {"train": ("rag_jax.train.cli", []), "index": ("rag_jax.retrieval.cli", ["build"]),

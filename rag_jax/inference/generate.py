@@ -45,13 +45,14 @@ def sample_logits(logits, rng, *, temperature: float = 0.0, top_k: int | None = 
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def decode_step(model: Transformer, cache: DecodeCache, tokens, positions, slot):
+def decode_step(model: Transformer, cache: DecodeCache, tokens, positions, slot, attend=None):
     """Run one new token per row and write its KV into ``cache`` at ``slot`` (``Transformer.decode``).
 
-    tokens, positions: int32 ``[batch]``; cache: a fixed-size ``DecodeCache`` whose slot ``slot`` is empty.
+    tokens, positions: int32 ``[batch]``; cache: a fixed-size ``DecodeCache`` whose slot ``slot`` is empty;
+    attend: optional per-layer decode attention (``Transformer.decode``).
     Returns ``(logits float32 [batch, vocab], updated cache)``.
     """
-    return model.decode(tokens, positions, cache, slot)
+    return model.decode(tokens, positions, cache, slot, attend)
 
 
 def prefill(model: Transformer, tokens, positions, segment_ids, prefix: KVSegment | None, max_new_tokens: int):
@@ -68,12 +69,16 @@ def prefill(model: Transformer, tokens, positions, segment_ids, prefix: KVSegmen
     return out.logits[:, -1], DecodeCache.from_segment(cache, model.inv_freq), cache.length - max_new_tokens
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "temperature", "top_k", "top_p"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "temperature", "top_k", "top_p",
+                                             "decode_attention"))
 def _generate(graphdef, state, tokens, segment_ids, positions, prefix, rng, *, max_new_tokens, eos_id, temperature,
-              top_k, top_p):
+              top_k, top_p, decode_attention=None):
     model = nnx.merge(graphdef, state)
     batch = tokens.shape[0]
     logits, cache, first_slot = prefill(model, tokens, positions, segment_ids, prefix, max_new_tokens)
+    attend = None
+    if decode_attention is not None:
+        attend = functools.partial(decode_attention.attend, decode_attention.prepare(cache, first_slot))
     fill = eos_id[0] if eos_id else 0
     eos = jnp.asarray(eos_id or (-1,), jnp.int32)
 
@@ -89,7 +94,7 @@ def _generate(graphdef, state, tokens, segment_ids, positions, prefix, rng, *, m
         generated = generated.at[:, t].set(nxt)
         done = done | jnp.isin(nxt, eos)
         pos = last_pos + 1
-        logits, cache = decode_step(model, cache, nxt, pos, first_slot + t)
+        logits, cache = decode_step(model, cache, nxt, pos, first_slot + t, attend)
         return t + 1, cache, logits, pos, done, generated, rng
 
     generated = jnp.full((batch, max_new_tokens), fill, jnp.int32)
@@ -146,7 +151,8 @@ def check_sampling(max_new_tokens, temperature=0.0, top_k=None, top_p=None, *, v
 
 def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.ndarray, *, max_new_tokens: int,
              eos_id: int | Sequence[int] | None = None, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, kv_cache: KVSegment | None = None) -> np.ndarray:
+             top_p: float | None = None, seed: int = 0, kv_cache: KVSegment | None = None,
+             decode_attention=None) -> np.ndarray:
     """Generate ``max_new_tokens`` tokens after each prompt.
 
     Args:
@@ -159,6 +165,9 @@ def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.n
       seed: PRNG seed for sampling.
       kv_cache: optional prefix ``KVSegment`` (batch matching the prompts) attended before the prompt;
         prompt positions continue from each row's last prefix position + 1.
+      decode_attention: optional hashable policy with ``prepare(cache, prompt_end) -> state`` (once, after
+        prefill) and ``attend(state, layer, q, kt, vt, mask)`` (each decode step and layer), replacing exact
+        attention over the cache while decoding, e.g. ``magicpig.MagicPIGDecode`` or ``magicpig.TopKDecode``.
 
     Prompts are left-padded to a multiple of ``PROMPT_MULTIPLE`` tokens (within ``max_seq_len``) with
     never-attended slots, so batches of nearby prompt lengths reuse one compiled decode loop.
@@ -196,4 +205,4 @@ def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.n
     return np.asarray(_generate(graphdef, state, jnp.asarray(tokens), jnp.asarray(segment_ids),
                                 jnp.asarray(positions, jnp.int32), kv_cache, jax.random.key(seed),
                                 max_new_tokens=max_new_tokens, eos_id=eos_tuple(eos_id), temperature=float(temperature),
-                                top_k=top_k, top_p=top_p))
+                                top_k=top_k, top_p=top_p, decode_attention=decode_attention))

@@ -309,7 +309,7 @@ class Transformer(nnx.Module):
         n (HF ``hidden_states[n]``), which a model of the remaining layers continues from as ``inputs_embeds``."""
         return self._layers(tokens, positions, segment_ids, mode, is_global, None, inputs_embeds)[0]
 
-    def decode(self, tokens, positions, cache: DecodeCache, slot) -> tuple[jax.Array, DecodeCache]:
+    def decode(self, tokens, positions, cache: DecodeCache, slot, attend=None) -> tuple[jax.Array, DecodeCache]:
         """One new token per row: its keys and values written into ``cache`` at token slot ``slot`` (empty in
         every row), attended with the whole cache in causal order (``attention.attend_cache``).
 
@@ -317,6 +317,9 @@ class Transformer(nnx.Module):
           tokens, positions: int32 ``[batch]`` token ids and RoPE positions.
           cache: a ``DecodeCache`` (``DecodeCache.from_segment`` of the prompt's KV plus empty slots).
           slot: int32 scalar, the slot written (every filled slot before it is attended).
+          attend: optional ``attend(layer, q, kt, vt, mask)`` replacing the exact ``attend_cache(q, kt, vt, mask)``
+            (q ``[batch, 1, num_heads, head_dim]`` rotated, kt/vt the layer's updated cache, mask bool
+            ``[batch, 1, length]``), e.g. a sampled estimate (``rag_jax.inference.magicpig``).
 
         Returns ``(logits float32 [batch, vocab], the cache with the slot filled)``; the same values as
         ``__call__`` on the token with the cache as a ``KVSegment``, without re-rotating the cached keys.
@@ -336,7 +339,8 @@ class Transformer(nnx.Module):
             layer = self.layer(i)
             q, k, v = layer.qkv(x)
             k, v = cache.write(i, rotate(k, cos, sin), v, slot)
-            x = layer.finish(x, attend_cache(rotate(q, cos, sin), k, v, mask))
+            q = rotate(q, cos, sin)
+            x = layer.finish(x, attend_cache(q, k, v, mask) if attend is None else attend(i, q, k, v, mask))
             ks.append(k)
             vs.append(v)
         logits = self.logits(self.final_norm(x))[:, -1]

@@ -1,0 +1,185 @@
+"""MagicPIG's LSH-sampled decode attention vs TopK at equal budget vs exact attention, on a pretrained model.
+
+For each ``--lengths`` and each of ``--samples`` passkey prompts (``rag_jax.evaluation.long_context``; the key at
+depths ``(i + 0.5) / samples``) the prompt is prefilled once (exact attention) and then, from the same cache:
+
+1. **Estimator error**: the first decode step's queries of every layer (recorded through
+   ``Transformer.decode(attend=...)``) attend the cache exactly, with each ``--lsh K:L`` MagicPIG setting
+   (``rag_jax.inference.magicpig``; sinks 4, local window 64, ≥ 2 colliding tables) and with TopK keeping, per
+   head, the number of middle keys that setting sampled on average (equal budget). Reported: the fraction of
+   middle keys used and the attention output's relative L2 error ``|ô - o| / |o|``, averaged over heads, prompts
+   and the sampled layers (the first and the middle layer stay exact, as the reference keeps layers 0 and 16 of
+   Llama-3.1-8B).
+2. **Task accuracy**: the greedy reply (``--new-tokens``) of each method; correct when its first number is the key.
+3. **Decode ms/token** (``--time``): ``(t(1 + n new tokens) - t(1 new token)) / n``, median of ``--repeats``, for
+   exact attention and the first LSH setting with its TopK twin. MagicPIG is evaluated densely here (every
+   middle key's collision count; ``magicpig`` module doc), so this is its cost in this implementation, not the
+   reference's host-memory bucket lookup.
+
+SmolLM2-135M was trained to 8,192 tokens: longer prompts need EM-LLM's memory, which these policies do not wrap
+yet. The first reply token comes from the exact prefill; MagicPIG and TopK act from the second on.
+
+    rag-jax bench magicpig --model smollm2-135m-instruct --lengths 4096 8000 --samples 4 --threads 2
+    rag-jax bench magicpig --lengths 2048 --samples 2 --lsh 8:40 --no-time      # quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rag_jax.atomic import write_text
+from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source, output_file
+from rag_jax.evaluation.long_context import correct, passkey_prompts
+from rag_jax.evaluation.tables import table
+from rag_jax.evaluation.timing import cpu_threads, median_ms
+from rag_jax.inference.generate import generate
+from rag_jax.inference.magicpig import MagicPIGDecode, TopKDecode
+from rag_jax.model.attention import attend_cache
+from rag_jax.model.kv import DecodeCache, KVSegment
+from rag_jax.model.load import load_model
+
+
+def lsh_setting(text: str) -> tuple[int, int]:
+    """``"K:L"`` -> (bits, tables); argparse type."""
+    try:
+        bits, tables = (int(x) for x in text.split(":"))
+        MagicPIGDecode(bits=bits, tables=tables)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected BITS:TABLES, e.g. 10:150; got {text!r} ({e})") from None
+    return bits, tables
+
+
+def record_step(model, ids: np.ndarray) -> tuple[KVSegment, list, int]:
+    """Prefill ``ids[:-1]`` once; then the last prompt token and the first decode step, whose per-layer
+    ``(q, kt, vt, mask)`` are recorded. Returns (the prefix KVSegment, the records, the greedy first token)."""
+    n = len(ids)
+    tokens = jnp.asarray(ids[None, :-1])
+    prefix = model(tokens, jnp.arange(n - 1)[None], jnp.ones_like(tokens)).kv
+    last = model(jnp.asarray(ids[None, -1:]), jnp.full((1, 1), n - 1), jnp.ones((1, 1), jnp.int32), kv_cache=prefix)
+    cfg = model.config
+    cache = KVSegment.concat([prefix, last.kv, KVSegment.empty(cfg.num_layers, 1, 1, cfg.num_kv_heads,
+                                                               cfg.head_dim, prefix.k.dtype)])
+    records = []
+
+    def attend(layer, q, kt, vt, mask):
+        records.append((q, kt, vt, mask))
+        return attend_cache(q, kt, vt, mask)
+    first = jnp.argmax(last.logits[:, -1], -1).astype(jnp.int32)
+    model.decode(first, jnp.full((1,), n), DecodeCache.from_segment(cache, model.inv_freq), n, attend=attend)
+    return prefix, records, int(first[0])
+
+
+def dense_layers(num_layers: int) -> tuple[int, ...]:
+    """The reference's choice for Llama-3.1-8B (layers 0 and 16 of 32 exact), scaled: the first and the middle."""
+    return (0, num_layers // 2)
+
+
+def step_errors(records, prompt_end: int, settings) -> dict:
+    """Per method: (mean relative error, mean fraction of middle keys used) over the recorded sampled layers
+    (``dense_layers`` excluded) and heads."""
+    out = {}
+    dense = dense_layers(len(records))
+    for bits, tables in settings:
+        pig = MagicPIGDecode(bits=bits, tables=tables)
+        top_errors, pig_errors, fractions = [], [], []
+        for layer, (q, kt, vt, mask) in enumerate(records):
+            if layer in dense:
+                continue
+            exact = attend_cache(q, kt, vt, mask)
+            cache = DecodeCache(k=(kt,), v=(vt,), positions=None, segment_ids=mask[:, 0].astype(jnp.int32))
+            index = pig.prepare(cache, prompt_end)
+            sampled, _ = pig.sample(index, 0, q, kt)
+            middle = int(index.middle.sum())
+            fractions.append(float(sampled.sum(-1).mean()) / max(middle, 1))
+            pig_errors.append(_relative(pig.attend(index, 0, q, kt, vt, mask), exact))
+            top = TopKDecode(budget=max(int(round(fractions[-1] * middle)), 1))
+            top_errors.append(_relative(top.attend(top.prepare(cache, prompt_end), 0, q, kt, vt, mask), exact))
+        frac = float(np.mean(fractions))
+        out[f"magicpig {bits}:{tables}"] = (float(np.mean(pig_errors)), frac)
+        out[f"topk @ {bits}:{tables}"] = (float(np.mean(top_errors)), frac)
+    return out
+
+
+def _relative(x, exact) -> float:
+    x, exact = np.asarray(x, np.float64), np.asarray(exact, np.float64)
+    return float((np.linalg.norm(x - exact, axis=-1) / np.maximum(np.linalg.norm(exact, axis=-1), 1e-30)).mean())
+
+
+def main(argv=None) -> int:
+    p = ScriptParser(prog="rag-jax bench magicpig", description=__doc__)
+    p.add_argument("--model", type=model_source, default="smollm2-135m-instruct")
+    p.add_argument("--lengths", type=int_list(256), default="4096,8000", help="prompt lengths in tokens")
+    p.add_argument("--samples", type=integer(1), default=4, help="passkey prompts per length")
+    p.add_argument("--lsh", type=lsh_setting, nargs="+", default=[(10, 150), (8, 75)],
+                   help="MagicPIG settings BITS:TABLES (K:L)")
+    p.add_argument("--new-tokens", type=integer(1), default=12, help="greedy reply tokens")
+    p.add_argument("--time", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode ms/token of exact, the first LSH setting and its TopK twin")
+    p.add_argument("--repeats", type=integer(1), default=3)
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--threads", type=integer(0), default=0, help="cores (CPU affinity; 0 = unpinned)")
+    p.add_argument("--out", type=output_file, default=None, help="JSON report")
+    args = p.parse_args(argv)
+    cpu_threads(args.threads)
+    loaded = load_model(args.model)
+    model, tok = loaded.model, loaded.tokenizer
+    longest = max(args.lengths) + args.new_tokens + 32
+    if longest > loaded.config.max_seq_len:
+        p.error(f"argument --lengths: {max(args.lengths)} + reply exceeds {args.model}'s "
+                f"max_seq_len={loaded.config.max_seq_len}")
+    t0 = time.perf_counter()
+    report = {"model": str(args.model), "lsh": args.lsh, "lengths": {}}
+    for length in args.lengths:
+        errors, hits, timing = {}, {}, {}
+        for i, prompt in enumerate(passkey_prompts(loaded, length, args.samples, args.seed, "repeat")):
+            prefix, records, _ = record_step(model, prompt.ids)
+            for name, (err, frac) in step_errors(records, len(prompt.ids), args.lsh).items():
+                errors.setdefault(name, []).append((err, frac))
+            policies = {"exact": None}
+            dense = dense_layers(loaded.config.num_layers)
+            for bits, tables in args.lsh:
+                pig = MagicPIGDecode(bits=bits, tables=tables, dense_layers=dense)
+                policies[f"magicpig {bits}:{tables}"] = pig
+                budget = np.mean([f for _, f in errors[f"topk @ {bits}:{tables}"]])
+                middle = len(prompt.ids) - pig.sink_tokens - pig.local_tokens
+                policies[f"topk @ {bits}:{tables}"] = TopKDecode(budget=max(int(round(budget * middle)), 1),
+                                                                 dense_layers=dense)
+
+            def reply(policy, new_tokens):
+                return generate(model, [prompt.ids[-1:]], max_new_tokens=new_tokens, eos_id=loaded.eos_ids,
+                                kv_cache=prefix, decode_attention=policy)
+            for name, policy in policies.items():
+                text = tok.decode([int(t) for t in reply(policy, args.new_tokens)[0]])
+                hits.setdefault(name, []).append(bool(correct("passkey", text, prompt.answer)))
+            if args.time and i == 0:
+                first = f"magicpig {args.lsh[0][0]}:{args.lsh[0][1]}"
+                for name in ("exact", first, first.replace("magicpig", "topk @")):
+                    one = median_ms(lambda: reply(policies[name], 1), args.repeats)
+                    many = median_ms(lambda: reply(policies[name], 1 + args.new_tokens), args.repeats)
+                    timing[name] = (many - one) / args.new_tokens
+            print(f"  {length} tokens, prompt {i + 1}/{args.samples}: "
+                  + ", ".join(f"{k} {v[-1]}" for k, v in hits.items()), flush=True)
+        rows = {name: {"correct": sum(h), "n": len(h),
+                       "rel_error": float(np.mean([e for e, _ in errors[name]])) if name in errors else 0.0,
+                       "fraction": float(np.mean([f for _, f in errors[name]])) if name in errors else 1.0,
+                       "ms_per_token": timing.get(name)} for name, h in hits.items()}
+        report["lengths"][length] = rows
+        print(f"\n{length} tokens, {args.samples} passkey prompts ({args.model})")
+        print(table(["method", "keys used", "rel. error", "passkey", "decode ms/token"],
+                    [[k, r["fraction"], r["rel_error"], f"{r['correct']}/{r['n']}",
+                      "-" if r["ms_per_token"] is None else f"{r['ms_per_token']:.1f}"] for k, r in rows.items()],
+                    floatfmt=("", ".3f", ".4f", "", "")), flush=True)
+    report["seconds"] = time.perf_counter() - t0
+    print(f"\n{report['seconds']:.0f} s")
+    if args.out:
+        write_text(args.out, json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

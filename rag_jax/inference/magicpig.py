@@ -1,0 +1,250 @@
+"""MagicPIG (Chen et al., ICLR 2025): decoding attention estimated from keys sampled by SimHash LSH.
+
+At each decode step a query attends its cache in two parts:
+
+- **exact**: the first ``sink_tokens`` valid tokens of the row (attention sinks), the last ``local_tokens``
+  valid tokens of the prompt and every token decoded since (MagicPIG §5: sinks + local window on the GPU);
+- **sampled**: the rest of the prompt (the "middle"). Each key there is hashed once, after prefill, by
+  ``tables`` SimHash tables of ``bits`` random hyperplanes each (§4.1), on post-RoPE keys centred by the
+  middle's mean key (the reference's ``avg_k``: softmax is invariant to the shift, the hash is not). The
+  query is hashed by the same planes; a key is *sampled* when it falls in the query's bucket in at least
+  ``min_collisions`` tables (the reference uses 2).
+
+The estimator (§4.2) is importance sampling with the analytic inclusion probability: for a key at angle θ
+to the query, one hyperplane agrees with probability ``p = 1 - θ/π``, one table with ``p^bits``, and the
+number of colliding tables is Binomial(tables, p^bits), so ``u = P[Binomial(L, p^K) >= min_collisions]``.
+With ``w = exp(q·k/√d)``, ``Σ_sampled (w/u) v`` is an unbiased (Horvitz-Thompson) estimate of the middle's
+``Σ w v`` and ``Σ_sampled w/u`` of its ``Σ w``; the output is their self-normalized ratio joined with the
+exact part, i.e. one softmax over logits ``q·k/√d - log u`` (sampled) and ``q·k/√d`` (exact).
+``TopKDecode`` keeps instead the ``budget`` highest-scoring middle keys (the biased baseline of §3).
+
+Here the sampling is evaluated densely (every middle key's collision count is computed), which is exact
+to the method's distribution but not its speed: the reference gathers the colliding keys from bucket
+tables in host memory. Both policies plug into ``generate(..., decode_attention=...)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import einops
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rag_jax.model.attention import attend_cache
+from rag_jax.model.blockwise import MASK_VALUE
+from rag_jax.model.kv import DecodeCache
+
+
+def _check_layers(layers):
+    if not isinstance(layers, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in layers):
+        raise ValueError(f"dense_layers={layers!r} must be a tuple of layer indices >= 0")
+
+
+def _check_int(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MagicPIGDecode:
+    """MagicPIG decode attention (hashable: a static argument of the jitted generation loop).
+
+    Attributes:
+      bits: SimHash bits per table (the paper's K; K=10 with L=150 samples ~2% of keys at 96K).
+      tables: number of hash tables (L).
+      min_collisions: tables a key must share the query's bucket in to be sampled (2 in the reference).
+      sink_tokens, local_tokens: exact attention on the first / last prompt tokens (4 and 64 in the reference).
+      seed: PRNG seed of the hyperplanes (``[head_dim, bits * tables]`` standard normal, shared by layers).
+      dense_layers: layers that attend exactly (the reference keeps layers 0 and 16 of Llama-3.1-8B dense).
+
+    Raises ValueError (one line, naming the field) on construction for a non-integer or out-of-range field.
+    """
+
+    bits: int = 10
+    tables: int = 150
+    min_collisions: int = 2
+    sink_tokens: int = 4
+    local_tokens: int = 64
+    seed: int = 0
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        _check_layers(self.dense_layers)
+        _check_int("bits", self.bits, 1)
+        if self.bits > 30:
+            raise ValueError(f"bits={self.bits} must be <= 30 (bucket codes are int32)")
+        _check_int("tables", self.tables, 1)
+        _check_int("min_collisions", self.min_collisions, 1)
+        if self.min_collisions > self.tables:
+            raise ValueError(f"min_collisions={self.min_collisions} must be <= tables={self.tables}")
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("local_tokens", self.local_tokens, 0)
+        _check_int("seed", self.seed, 0)
+
+    def prepare(self, cache: DecodeCache, prompt_end, key=None) -> "LSHIndex":
+        """Hash the prompt's middle keys of every layer: ``cache`` right after prefill, ``prompt_end`` (int32
+        scalar) its first empty slot; ``key`` a PRNG key for the planes (default ``jax.random.key(seed)``)."""
+        middle = middle_slots(cache.segment_ids, prompt_end, self.sink_tokens, self.local_tokens)
+        key = jax.random.key(self.seed) if key is None else key
+        planes = hyperplanes(key, cache.k[0].shape[-1], self.bits, self.tables)
+        means, codes = [], []
+        for k in cache.k:
+            mean = masked_mean(k, middle)
+            means.append(mean)
+            codes.append(simhash(k - mean, planes, self.bits))
+        return LSHIndex(planes=planes, key_mean=tuple(means), codes=tuple(codes), middle=middle)
+
+    def sample(self, index: "LSHIndex", layer: int, q, kt):
+        """Which keys layer ``layer``'s query samples and with what probability: q ``[batch, 1, num_heads,
+        head_dim]`` (rotated), kt ``[batch, num_kv_heads, length, head_dim]`` -> ``(sampled bool, u float32)``,
+        both ``[batch, num_kv_heads, heads_per_kv_head, length]``; ``sampled`` is restricted to the middle
+        slots, ``u`` is the analytic inclusion probability of every slot's key."""
+        qg = einops.rearrange(q, "b q (h g) d -> b h (g q) d", h=kt.shape[1]).astype(jnp.float32)
+        count = collision_counts(simhash(qg, index.planes, self.bits), index.codes[layer])
+        u = collision_probability(_cosine(qg, kt.astype(jnp.float32) - index.key_mean[layer]), self.bits,
+                                  self.tables, self.min_collisions)
+        return index.middle[:, None, None, :] & (count >= self.min_collisions), u
+
+    def attend(self, index: "LSHIndex", layer: int, q, kt, vt, mask):
+        """Layer ``layer``'s decode attention: q ``[batch, 1, num_heads, head_dim]`` (rotated), kt/vt the
+        layer's heads-first cache ``[batch, num_kv_heads, length, head_dim]``, mask bool ``[batch, 1,
+        length]`` (the causal decode mask) -> ``[batch, 1, num_heads, head_dim]`` in q's dtype."""
+        if layer in self.dense_layers:
+            return attend_cache(q, kt, vt, mask)
+        logits, scores, middle = _logits(q, kt, mask, index.middle)
+        sampled, u = self.sample(index, layer, q, kt)
+        log_u = jnp.log(jnp.maximum(u, jnp.finfo(jnp.float32).tiny))
+        return _softmax_values(jnp.where(middle & sampled, scores - log_u, logits), vt, q)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKDecode:
+    """Decode attention over the sinks, the local window and the ``budget`` highest-scoring middle keys per
+    query head (exact softmax over those; the TopK baseline MagicPIG §3 shows biased). Fields as
+    ``MagicPIGDecode``; ``budget`` >= 0 keys."""
+
+    budget: int = 256
+    sink_tokens: int = 4
+    local_tokens: int = 64
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        _check_layers(self.dense_layers)
+        _check_int("budget", self.budget, 0)
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("local_tokens", self.local_tokens, 0)
+
+    def prepare(self, cache: DecodeCache, prompt_end) -> jax.Array:
+        return middle_slots(cache.segment_ids, prompt_end, self.sink_tokens, self.local_tokens)
+
+    def attend(self, middle, layer: int, q, kt, vt, mask):
+        if layer in self.dense_layers:
+            return attend_cache(q, kt, vt, mask)
+        logits, scores, middle = _logits(q, kt, mask, middle)
+        return _softmax_values(jnp.where(topk_keep(scores, middle, self.budget), scores, logits), vt, q)
+
+
+@flax.struct.dataclass
+class LSHIndex:
+    """The hashed prompt (a pytree built once per prompt by ``MagicPIGDecode.prepare``).
+
+    Attributes:
+      planes: float32 ``[head_dim, bits * tables]`` hyperplanes.
+      key_mean: per layer float32 ``[batch, num_kv_heads, 1, head_dim]``, the mean middle key.
+      codes: per layer int32 ``[batch, num_kv_heads, length, tables]`` bucket of every slot's key.
+      middle: bool ``[batch, length]``, the slots attended by sampling.
+    """
+
+    planes: jax.Array
+    key_mean: tuple
+    codes: tuple
+    middle: jax.Array
+
+
+def hyperplanes(key, head_dim: int, bits: int, tables: int) -> jax.Array:
+    """Standard-normal SimHash planes, float32 ``[head_dim, bits * tables]`` (table t uses columns
+    ``t*bits ... t*bits + bits - 1``)."""
+    return jax.random.normal(key, (head_dim, bits * tables), jnp.float32)
+
+
+def simhash(x, planes, bits: int) -> jax.Array:
+    """Bucket codes of ``x [..., head_dim]``: int32 ``[..., tables]``, bit j of table t set where
+    ``x · planes[:, t*bits + j] > 0``."""
+    signs = (jnp.einsum("...d,dn->...n", x.astype(jnp.float32), planes) > 0).astype(jnp.int32)
+    signs = signs.reshape(*signs.shape[:-1], -1, bits)
+    return (signs << jnp.arange(bits, dtype=jnp.int32)).sum(-1)
+
+
+def collision_counts(q_codes, k_codes) -> jax.Array:
+    """Tables in which each key shares the query's bucket: q_codes ``[b, kv_heads, m, tables]``, k_codes
+    ``[b, kv_heads, length, tables]`` -> int32 ``[b, kv_heads, m, length]`` (one table at a time: the
+    ``[m, length, tables]`` comparison is never held)."""
+    def add(count, t):
+        return count + (q_codes[..., t][..., :, None] == k_codes[..., t][..., None, :]).astype(jnp.int32), None
+    shape = q_codes.shape[:-1] + k_codes.shape[-2:-1]
+    return jax.lax.scan(add, jnp.zeros(shape, jnp.int32), jnp.arange(q_codes.shape[-1]))[0]
+
+
+def collision_probability(cos, bits: int, tables: int, min_collisions: int) -> jax.Array:
+    """``P[Binomial(tables, p^bits) >= min_collisions]`` with ``p = 1 - arccos(cos)/π``: the probability
+    that a key at cosine ``cos`` to the query is sampled (MagicPIG §4.2), float32, ``cos``'s shape."""
+    p = 1.0 - jnp.arccos(jnp.clip(cos, -1.0, 1.0)) / jnp.pi
+    # the binomial upper tail as a regularized incomplete beta, I_q(t, L - t + 1): no cancellation where q is small
+    return jax.scipy.special.betainc(float(min_collisions), float(tables - min_collisions + 1), p ** bits)
+
+
+def middle_slots(segment_ids, prompt_end, sink_tokens: int, local_tokens: int) -> jax.Array:
+    """bool ``[batch, length]``: the valid prompt slots (before ``prompt_end``, the first slot after the prompt)
+    that are neither among the row's first ``sink_tokens`` valid tokens nor among its last ``local_tokens``
+    valid prompt tokens (padding is never counted)."""
+    slot = jnp.arange(segment_ids.shape[1])[None, :]
+    valid = (segment_ids != 0) & (slot < prompt_end)
+    rank = jnp.cumsum(valid, axis=1) - 1
+    from_end = valid.sum(1, keepdims=True) - 1 - rank
+    return valid & (rank >= sink_tokens) & (from_end >= local_tokens)
+
+
+def masked_mean(kt, middle) -> jax.Array:
+    """Mean key over the middle slots: kt ``[b, kv_heads, length, d]`` -> float32 ``[b, kv_heads, 1, d]``
+    (zero where a row has no middle)."""
+    w = middle[:, None, :, None].astype(jnp.float32)
+    return (kt.astype(jnp.float32) * w).sum(2, keepdims=True) / jnp.maximum(w.sum(2, keepdims=True), 1.0)
+
+
+def topk_keep(scores, middle, budget: int) -> jax.Array:
+    """bool, ``scores``' shape ``[..., length]``: the ``budget`` highest scores among middle slots (ties at
+    the threshold kept)."""
+    if budget == 0:
+        return jnp.zeros(scores.shape, bool)
+    masked = jnp.where(middle, scores, -jnp.inf)
+    kth = jax.lax.top_k(masked, min(budget, scores.shape[-1]))[0][..., -1:]
+    return middle & (masked >= kth)
+
+
+def _logits(q, kt, mask, middle):
+    """Exact-part logits (middle slots masked out), raw scores and the middle mask, all
+    ``[b, kv_heads, group, length]`` (one query per row)."""
+    if q.shape[1] != 1:
+        raise ValueError(f"decode attention takes one query per row; got q_len={q.shape[1]}")
+    num_kv_heads = kt.shape[1]
+    qg = einops.rearrange(q, "b q (h g) d -> b h (g q) d", h=num_kv_heads)
+    scores = jnp.einsum("bhmd,bhkd->bhmk", qg, kt, preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
+    allowed = mask[:, None, :, :]                     # [b, 1, 1, length]
+    mid = allowed & middle[:, None, None, :]
+    return jnp.where(allowed & ~mid, scores, MASK_VALUE), scores, mid
+
+
+def _cosine(qg, kc):
+    """Cosine between each query ``[b, h, m, d]`` and key ``[b, h, length, d]`` -> ``[b, h, m, length]``."""
+    qn = qg / jnp.maximum(jnp.linalg.norm(qg, axis=-1, keepdims=True), 1e-30)
+    kn = kc / jnp.maximum(jnp.linalg.norm(kc, axis=-1, keepdims=True), 1e-30)
+    return jnp.einsum("bhmd,bhkd->bhmk", qn, kn)
+
+
+def _softmax_values(logits, vt, q):
+    """softmax(logits) @ v for logits ``[b, kv_heads, group, length]`` -> ``[b, 1, num_heads, head_dim]``."""
+    w = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bhmk,bhkd->bhmd", w.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
+    return einops.rearrange(out, "b h g d -> b 1 (h g) d").astype(q.dtype)
