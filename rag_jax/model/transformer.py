@@ -317,17 +317,14 @@ class Transformer(nnx.Module):
           tokens, positions: int32 ``[batch]`` token ids and RoPE positions.
           cache: a ``DecodeCache`` (``DecodeCache.from_segment`` of the prompt's KV plus empty slots).
           slot: int32 scalar, the slot written (every filled slot before it is attended).
-          attend: optional ``attend(layer, q, kt, vt, mask)`` replacing the exact ``attend_cache(q, kt, vt, mask)``
-            (q ``[batch, 1, num_heads, head_dim]`` rotated, kt/vt the layer's updated cache, mask bool
-            ``[batch, 1, length]``), e.g. a sampled estimate (``rag_jax.inference.magicpig``).
+          attend: ``attend(layer, q, kt, vt, mask)`` in place of exact ``attend_cache`` (``inference.magicpig``).
 
         Returns ``(logits float32 [batch, vocab], the cache with the slot filled)``; the same values as
         ``__call__`` on the token with the cache as a ``KVSegment``, without re-rotating the cached keys.
         """
         batch = tokens.shape[0]
         pos = positions.astype(jnp.int32)[:, None]
-        segment_ids = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, jnp.ones((batch, 1), jnp.int32), slot,
-                                                          axis=1)
+        segment_ids = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, jnp.ones_like(pos), slot, axis=1)
         kv_pos = jax.lax.dynamic_update_slice_in_dim(cache.positions, pos, slot, axis=1)
         masks = self._layer_masks("causal", lambda w: MaskSpec.create(
             "causal", jnp.ones((batch, 1), jnp.int32), segment_ids, q_order=jnp.full((batch, 1), slot),
