@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from rag_jax.model import KVSegment, ModelConfig, Transformer, attention, jit_forward, kernels
-from rag_jax.model.attention import attend, attend_joint, resolve_impl
+from rag_jax.model.attention import attend, attend_joint, key_mass, resolve_impl
 from rag_jax.model.blockwise import blockwise_attention
 from rag_jax.model.masks import FULL, SKIP, MaskSpec
 
@@ -173,9 +173,14 @@ def test_joint_groups_merge_by_logsumexp():
     (_, g_dense), (_, g_block) = vg("dense"), vg("blockwise")
     for a, b_ in zip(g_block, g_dense):
         np.testing.assert_allclose(a, b_, atol=TOL, rtol=0)
-    # return_weights stays on the dense path and sums to one over both groups on valid rows
-    _, w = attend_joint(groups(*args), return_weights=True, impl="blockwise")
-    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
+    # the joint lse from the blockwise merge equals the dense one, and key_mass over both groups sums to one on
+    # every query row (each sees some memory key): EM-LLM's statistics from the blockwise path
+    (_, lse_block), (_, lse_dense) = (attend_joint(groups(*args), return_lse=True, impl=i)
+                                      for i in ("blockwise", "dense"))
+    np.testing.assert_allclose(lse_block, lse_dense, atol=TOL, rtol=1e-6)
+    eye = jnp.broadcast_to(jnp.eye(q1.shape[1]), (b, q1.shape[1], q1.shape[1]))
+    total = sum(key_mass(gq, gk, gm, lse_block, eye).sum(-1) for gq, gk, _, gm in groups(*args))  # [b, q, heads]
+    np.testing.assert_allclose(np.asarray(total), 1.0, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 9])

@@ -8,8 +8,7 @@ import pytest
 from flax import nnx
 
 from rag_jax.memory import EMLLM, EMLLMConfig
-from rag_jax.memory.streaming import _joint_attention_and_local_mass
-from rag_jax.model import ModelConfig, Transformer, attend, attend_joint, rope_inv_freq
+from rag_jax.model import ModelConfig, Transformer, attend, attend_joint, key_mass, rope_inv_freq
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "train" / "configs"
 
@@ -45,7 +44,10 @@ def test_joint_softmax_equals_softmax_over_concatenated_keys():
     m1[..., 0] = True
     q_ok = np.array([1, 1, 1, 1, 0], bool)
     groups = [tuple(map(jnp.asarray, g)) for g in ((q1, k1, v1, m1), (q2, k2, v2, m2))]
-    out, mass, last = _joint_attention_and_local_mass(groups, jnp.asarray(q_ok), 4)
+    out, lse = attend_joint(groups, return_lse=True)
+    mass = key_mass(*groups[0][:2], groups[0][3], lse, jnp.asarray(q_ok, jnp.float32)[None, None])[0, 0]
+    one_hot = jnp.asarray(np.arange(q_len) == 3, jnp.float32)[None, None]
+    last = jnp.concatenate([key_mass(gq, gk, gm, lse, one_hot)[0, 0] for gq, gk, _, gm in groups], -1)
 
     # float64 reference: per query head, logits of both groups (own query each) in one softmax.
     g = heads // kv_heads
@@ -93,6 +95,29 @@ def test_plumbing_memory_holds_everything_equals_full_attention(model):
     want = full_logits(model, np.concatenate([tokens, generated[:-1]]))    # causal: prefixes are the same
     np.testing.assert_allclose(got, want[:len(tokens)], rtol=0, atol=1e-5)
     np.testing.assert_allclose(np.stack(steps), want[len(tokens):], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("positions", ["inf_llm", "contiguous"])
+def test_blockwise_attention_path_equals_dense(positions):
+    """EM-LLM on the blockwise kernel (``attention_impl="blockwise"``) equals the dense path: logits, the
+    representative-token scores every layer accumulates, and the diagnostic weights of the last query."""
+    tokens = np.random.default_rng(7).integers(0, 256, 260).astype(np.int32)
+    cfg = EMLLMConfig(n_init=8, n_local=64, n_mem=64, chunk_size=32, min_block_size=4, max_block_size=16,
+                      positions=positions)
+    runs = {}
+    for impl in ("dense", "blockwise"):
+        em = EMLLM(Transformer(ModelConfig.tiny(num_layers=2, attention_impl=impl), rngs=nnx.Rngs(5)), cfg,
+                   diagnose=True)
+        runs[impl] = (em.prefill(tokens, return_all_logits=True), em)
+    (dense, em_d), (block, em_b) = runs["dense"], runs["blockwise"]
+    assert len(em_b.store) > 5 and em_b.retrieved[1]                   # memory in use
+    np.testing.assert_allclose(block, dense, rtol=0, atol=1e-5)
+    for bd, bb in zip(em_d.buffers, em_b.buffers):
+        np.testing.assert_allclose(np.asarray(bb.recent_score), np.asarray(bd.recent_score), rtol=1e-5, atol=1e-5)
+    for (pos_d, w_d), (pos_b, w_b) in zip(em_d.attention, em_b.attention):
+        np.testing.assert_array_equal(pos_b, pos_d)
+        np.testing.assert_allclose(w_b, w_d, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(w_b.sum(-1), 1.0, atol=1e-5)
 
 
 def test_window_covering_input_equals_full_attention(model):

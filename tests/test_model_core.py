@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.model import KVSegment, ModelConfig, Transformer, apply_rope, attend, attend_joint, build_mask
+from rag_jax.model import KVSegment, ModelConfig, Transformer, apply_rope, attend, attend_joint, build_mask, key_mass
 from rag_jax.model import count_params, jit_forward, rope_inv_freq
 
 RNG = np.random.default_rng(1234)
@@ -93,16 +93,22 @@ def test_attend_and_joint_softmax_match_numpy():
     assert np.abs(np.asarray(got) - want).max() < 1e-5
     np.testing.assert_allclose(np.asarray(attend(f(q), f(k1), f(v1), jnp.asarray(m1))),
                                _np_attention(q, k1, v1, m1), atol=1e-5)
-    # return_weights: the same output and the float64 softmax weights, keys in group order.
-    out, w = attend_joint([(f(q), f(k1), f(v1), jnp.asarray(m1)), (f(q), f(k2), f(v2), jnp.asarray(m2))],
-                          return_weights=True)
+    # return_lse + key_mass with identity query weights: the same output and the float64 softmax weights,
+    # keys in group order.
+    groups = [(f(q), f(k1), f(v1), jnp.asarray(m1)), (f(q), f(k2), f(v2), jnp.asarray(m2))]
+    out, lse = attend_joint(groups, return_lse=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(got))
+    eye = jnp.broadcast_to(jnp.eye(6), (2, 6, 6))
+    w = np.concatenate([np.asarray(key_mass(gq, gk, gm, lse, eye)) for gq, gk, _, gm in groups], -1)
     k, m = np.repeat(np.concatenate([k1, k2], 1), 2, axis=2), np.concatenate([m1, m2], -1)
     logits = np.where(m[:, None], np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8), -np.inf)
     want_w = np.exp(logits - logits.max(-1, keepdims=True))
     want_w /= want_w.sum(-1, keepdims=True)                       # [b, heads, q, k]
-    assert w.shape == (2, 2, 2, 6, 14)
-    np.testing.assert_allclose(np.asarray(w).reshape(2, 4, 6, 14), want_w, atol=1e-6)
+    assert w.shape == (2, 6, 4, 14)                               # [b, n = q, heads, k]
+    np.testing.assert_allclose(w.transpose(0, 2, 1, 3), want_w, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse).reshape(2, 4, 6),
+                               np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1),
+                               atol=1e-5)
 
 
 @pytest.fixture(scope="module")

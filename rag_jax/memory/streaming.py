@@ -55,8 +55,7 @@ from rag_jax.memory.event_retrieval import ContiguityBuffer, merge_temporal, ret
 from rag_jax.memory.event_store import DeviceEventCache, EventStore, representative_vectors
 from rag_jax.memory.refinement import key_similarity
 from rag_jax.memory.segmentation import EventSegmenter, surprise_from_logits
-from rag_jax.model import Transformer, apply_rope, build_mask
-from rag_jax.model.blockwise import MASK_VALUE
+from rag_jax.model import MaskSpec, Transformer, apply_rope, attend_joint, key_mass
 from rag_jax.tokenizer import eos_tuple
 
 
@@ -77,45 +76,6 @@ class LayerBuffers:
     recent_score: jax.Array
     init_k: jax.Array
     init_v: jax.Array
-
-
-def _joint_attention_and_local_mass(groups, q_ok, n_valid):
-    """One softmax over every group's keys (``attend_joint``'s dense reference, batch 1), the attention mass each
-    key of ``groups[0]`` receives summed over the valid queries, and the last valid query's weights.
-
-    Args:
-      groups: ``[(q, k, v, mask), ...]``: q ``[1, q_len, num_heads, head_dim]`` (rotated), k / v
-        ``[1, kv_len_i, num_kv_heads, head_dim]`` (k rotated), mask bool ``[1, q_len, kv_len_i]``.
-      q_ok: bool ``[q_len]`` valid queries; n_valid: their number (the first ``n_valid``).
-
-    Returns:
-      ``out [1, q_len, num_heads, head_dim]`` (q's dtype; a query row with no visible key gets finite garbage),
-      ``mass`` float32 ``[num_heads, kv_len_0]`` (InfLLM/EM-LLM representative scores, note §4.2) and ``last``
-      float32 ``[num_heads, sum(kv_len_i)]``.
-
-    Query heads of one KV head and the queries share the matmul rows (``[kv_heads, group * q_len, ...]``) and
-    keys are laid out ``[kv_heads, kv_len, head_dim]``: ~1.5x faster on CPU than ``attend_joint``'s layout.
-    """
-    _, q_len, num_heads, head_dim = groups[0][0].shape
-    kv_heads = groups[0][1].shape[2]
-    group = num_heads // kv_heads
-    rows = lambda q: q[0].reshape(q_len, kv_heads, group, head_dim).transpose(1, 2, 0, 3).reshape(  # noqa: E731
-        kv_heads, group * q_len, head_dim)
-    heads_first = lambda x: x[0].transpose(1, 0, 2)  # noqa: E731
-    logits = jnp.concatenate([jnp.einsum("hqd,hkd->hqk", rows(q), heads_first(k), preferred_element_type=jnp.float32)
-                              for q, k, _, _ in groups], axis=-1) * head_dim ** -0.5
-    mask = jnp.tile(jnp.concatenate([m[0] for *_, m in groups], axis=-1), (group, 1))
-    logits = jnp.where(mask, logits, MASK_VALUE)
-    weights = jnp.exp(logits - logits.max(-1, keepdims=True))
-    weights = weights / weights.sum(-1, keepdims=True)                      # [kvh, g * q, k]
-    v = jnp.concatenate([heads_first(v) for _, _, v, _ in groups], axis=1)
-    out = jnp.einsum("hqk,hkd->hqd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out.reshape(kv_heads, group, q_len, head_dim).transpose(2, 0, 1, 3).reshape(1, q_len, num_heads, head_dim)
-    k0 = groups[0][1].shape[1]
-    ok = jnp.tile(q_ok.astype(jnp.float32), group)[None, :, None]
-    mass = (weights[:, :, :k0] * ok).reshape(kv_heads, group, q_len, k0).sum(2).reshape(num_heads, k0)
-    last = weights.reshape(kv_heads, group, q_len, -1)[:, :, n_valid - 1].reshape(num_heads, -1)
-    return out.astype(groups[0][0].dtype), mass, last
 
 
 @flax.struct.dataclass
@@ -163,13 +123,16 @@ def _project(layer, x, n_valid, n_local: int, inv_freq):
     return q, k, v, q_mean.reshape(-1)
 
 
-def _attend(layer, n_local: int, positions: str, use_memory: bool, buf: LayerBuffers, cache_k, cache_v, x, q, k, v,
-            inv_freq, plan: MemoryPlan, start, n_valid, init_len):
-    """One decoder layer over the chunk with local + memory attention in one softmax.
+def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, diagnose: bool, buf: LayerBuffers,
+            cache_k, cache_v, x, q, k, v, inv_freq, plan: MemoryPlan, start, n_valid, init_len):
+    """One decoder layer over the chunk with local + memory attention in one softmax (``attend_joint``).
 
     ``start``: buffer slot of the chunk's first token; ``plan``: the layer's retrieved event tokens.
-    Returns the layer output, the updated buffers and the last valid query's weights (see
-    ``_joint_attention_and_local_mass``).
+    Groups: the local window (buffer slots, causal within ``n_local``), then memory (init tokens and
+    retrieved events, seen by every valid query, and the buffer slots a query reaches only outside its window:
+    ``slot + n_local <= query slot``). Returns the layer output, the updated buffers (the local keys' attention
+    mass summed over the valid queries added to ``recent_score``, note §4.2) and, with ``diagnose``, the last
+    valid query's weights float32 ``[num_heads, sum(kv_len_i)]`` (else None).
     """
     q_len, buf_len = q.shape[1], buf.recent_k.shape[0]
     recent_k = jax.lax.dynamic_update_slice(buf.recent_k, k[0].astype(buf.recent_k.dtype), (start, 0, 0))
@@ -178,10 +141,9 @@ def _attend(layer, n_local: int, positions: str, use_memory: bool, buf: LayerBuf
     slots = jnp.arange(buf_len)
     q_slots = start + jnp.arange(q_len)
     q_ok = jnp.arange(q_len) < n_valid
-    q_seg, kv_seg = q_ok.astype(jnp.int32)[None], (slots < start + n_valid).astype(jnp.int32)[None]
-    causal = build_mask("causal", q_seg, kv_seg, q_order=q_slots, kv_order=slots)
-    local_mask = build_mask("causal", q_seg, kv_seg, q_order=q_slots, kv_order=slots, q_positions=q_slots[None],
-                            kv_positions=slots[None], sliding_window=n_local)
+    q_seg, slot_ok = q_ok.astype(jnp.int32)[None], slots < start + n_valid
+    local_mask = MaskSpec.create("causal", q_seg, slot_ok.astype(jnp.int32)[None], q_order=q_slots, kv_order=slots,
+                                 q_positions=q_slots[None], kv_positions=slots[None], sliding_window=n_local)
 
     base = plan.base if positions == "contiguous" else 0
     q_local = apply_rope(q, (base + q_slots)[None], inv_freq)
@@ -192,21 +154,26 @@ def _attend(layer, n_local: int, positions: str, use_memory: bool, buf: LayerBuf
         # Buffered tokens a query can reach only outside its window lie in the first buf_len - n_local slots.
         n_out = buf_len - n_local
         n_init = buf.init_k.shape[0]
-        event_k = cache_k[plan.slot, plan.offset]
-        event_v = cache_v[plan.slot, plan.offset]
-        mem_k = jnp.concatenate([buf.init_k, event_k, recent_k[:n_out]])
-        mem_v = jnp.concatenate([buf.init_v, event_v, recent_v[:n_out]])
-        key_ok = jnp.concatenate([jnp.arange(n_init) < init_len, plan.valid]).astype(bool)
-        mem_mask = jnp.concatenate([q_ok[:, None] & key_ok[None, :], (causal & ~local_mask)[0, :, :n_out]], axis=1)
+        mem_k = jnp.concatenate([buf.init_k, cache_k[plan.slot, plan.offset], recent_k[:n_out]])
+        mem_v = jnp.concatenate([buf.init_v, cache_v[plan.slot, plan.offset], recent_v[:n_out]])
+        mem_ok = jnp.concatenate([jnp.arange(n_init) < init_len, plan.valid, slot_ok[:n_out]])
+        mem_order = jnp.concatenate([jnp.zeros(n_init + plan.valid.shape[0], jnp.int32), slots[:n_out] + n_local])
+        mem_mask = MaskSpec.create("causal", q_seg, mem_ok.astype(jnp.int32)[None], q_order=q_slots,
+                                   kv_order=mem_order)
         if positions == "contiguous":
             mem_positions = jnp.concatenate([jnp.arange(n_init), plan.position, plan.base + slots[:n_out]])
             q_mem = q_local
             mem_k = apply_rope(mem_k[None], mem_positions[None].astype(jnp.int32), inv_freq)[0]
         else:
             q_mem = apply_rope(q, jnp.full((1, q_len), n_local - 1, jnp.int32), inv_freq)
-        groups.append((q_mem, mem_k[None], mem_v[None], mem_mask[None]))
+        groups.append((q_mem, mem_k[None], mem_v[None], mem_mask))
 
-    out, mass, last_weights = _joint_attention_and_local_mass(groups, q_ok, n_valid)
+    out, lse = attend_joint(groups, return_lse=True, impl=impl)
+    mass = key_mass(q_local, k_local, local_mask, lse, q_ok.astype(jnp.float32)[None, None])[0, 0]
+    last_weights = None
+    if diagnose:
+        last = (jnp.arange(q_len) == n_valid - 1).astype(jnp.float32)[None, None]
+        last_weights = jnp.concatenate([key_mass(gq, gk, m, lse, last)[0, 0] for gq, gk, _, m in groups], -1)
     x = layer.finish(x, out)
     return x, buf.replace(recent_k=recent_k, recent_v=recent_v, recent_score=buf.recent_score + mass), last_weights
 
@@ -217,14 +184,14 @@ def _start(model_def, layer_def, n_local, model_leaves, layer_leaves, tokens, n_
     return (x, *_project(_merge(layer_def, layer_leaves), x, n_valid, n_local, inv_freq))
 
 
-def _step(layer_def, n_local, positions, use_memory, layer_leaves, next_leaves, buf, cache_k, cache_v, x, q, k, v,
-          inv_freq, plan, start, n_valid, init_len):
+def _step(layer_def, n_local, positions, use_memory, impl, diagnose, layer_leaves, next_leaves, buf, cache_k, cache_v,
+          x, q, k, v, inv_freq, plan, start, n_valid, init_len):
     """``_attend`` for one layer, then under the same jit the next layer's projection (``next_leaves``; the last
     layer projects with any layer's leaves and the result is dropped: one compiled shape for every layer):
     ``(buf, last_weights, (x, q, k, v, q_mean))``. One dispatch and one host round trip (the retrieval query) per
     layer."""
-    x, buf, last_weights = _attend(_merge(layer_def, layer_leaves), n_local, positions, use_memory, buf, cache_k,
-                                   cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len)
+    x, buf, last_weights = _attend(_merge(layer_def, layer_leaves), n_local, positions, use_memory, impl, diagnose,
+                                   buf, cache_k, cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len)
     return buf, last_weights, (x, *_project(_merge(layer_def, next_leaves), x, n_valid, n_local, inv_freq))
 
 
@@ -237,11 +204,12 @@ def _head(model_def, model_leaves, x, labels):
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(model_def, layer_def, n_local: int, positions: str, use_memory: bool):
+def _compiled(model_def, layer_def, n_local: int, positions: str, use_memory: bool, impl: str, diagnose: bool):
     """The chunk's jitted functions for one model structure and config; static arguments are bound (hashed) once
     here instead of on every call."""
     start = jax.jit(functools.partial(_start, model_def, layer_def, n_local))
-    step = jax.jit(functools.partial(_step, layer_def, n_local, positions, use_memory), donate_argnums=(2,))
+    step = jax.jit(functools.partial(_step, layer_def, n_local, positions, use_memory, impl, diagnose),
+                   donate_argnums=(2,))
     head = jax.jit(functools.partial(_head, model_def))
     return start, step, head
 
@@ -334,7 +302,7 @@ class EMLLM:
         self._weights = WeightsWatch(state)  # live: sees nnx.update of the model
         self._start, self._step, self._head = _compiled((graphdef, jax.tree.structure(state)),
                                             (layer_graphdef, jax.tree.structure(layer_state)), cfg.n_local,
-                                            cfg.positions, cfg.memory)
+                                            cfg.positions, cfg.memory, mcfg.attention_impl, diagnose)
         self._inv_freq = model.inv_freq
         self._index_factory = index_factory
         self.buffer_len = cfg.n_local + cfg.chunk_size + cfg.max_block_size

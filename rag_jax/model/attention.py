@@ -18,7 +18,9 @@ over a long cache, where transposing the cached keys every step would cost more 
 ``attend_joint`` computes several (q, k, v, mask) groups under ONE softmax — EM-LLM's joint softmax over
 the local window and retrieved memory (Fountas et al., ICLR 2025, §3.3, following InfLLM), where each
 group may use a different query rotation. On the kernel paths each group runs separately and the
-results are merged by log-sum-exp (exact: ``out = Σ_g exp(lse_g - lse) · out_g``).
+results are merged by log-sum-exp (exact: ``out = Σ_g exp(lse_g - lse) · out_g``). With ``return_lse`` it
+also returns the joint log-sum-exp, from which ``key_mass`` gives the attention mass a group's keys
+receive (EM-LLM's representative-token scores, §3.2) without the ``[q, kv]`` weights of every group.
 
 Logits and softmax are float32; a fully masked query row (padding) yields a zero output on every path.
 """
@@ -88,26 +90,30 @@ def _heads_first(x):
     return einops.rearrange(x, "b k h d -> b h k d")
 
 
-def _dense_joint(groups, return_weights):
-    """The dense reference on token-major k/v (``attend_joint``'s layout)."""
-    return _dense_heads_first([(q, _heads_first(k), _heads_first(v), m) for q, k, v, m in groups], return_weights)
+def _dense_joint(groups):
+    """The dense reference on token-major k/v (``attend_joint``'s layout): ``(out, lse)``."""
+    return _dense_heads_first([(q, _heads_first(k), _heads_first(v), m) for q, k, v, m in groups])
 
 
-def _dense_heads_first(groups, return_weights):
-    """Dense joint softmax over groups ``(q, kt, vt, mask)`` with ``kt``/``vt [b, num_kv_heads, kv_len, d]``.
-    Softmax normalized after the value matmul (``exp(s - max) @ v / sum``): one pass less over the
-    ``[q, kv]`` weights. A fully masked row (max = ``MASK_VALUE``) divides by infinity: zero output."""
+def _dense_heads_first(groups):
+    """Dense joint softmax over groups ``(q, kt, vt, mask)`` with ``kt``/``vt [b, num_kv_heads, kv_len, d]``:
+    ``(out [b, q, num_heads, d], lse float32 [b, num_kv_heads, group, q])``. Softmax normalized after the
+    value matmul (``exp(s - max) @ v / sum``): one pass less over the ``[q, kv]`` weights. A fully masked row
+    (max = ``MASK_VALUE``) divides by infinity: zero output, lse ``MASK_VALUE``."""
     logits = jnp.concatenate([_group_logits(q, kt, _dense_mask(m)) for q, kt, _, m in groups], axis=-1)
     row_max = logits.max(-1, keepdims=True)
     e = jnp.exp(logits - row_max)
-    total = jnp.where(row_max > MASK_VALUE / 2, e.sum(-1, keepdims=True), jnp.inf)
+    valid = row_max > MASK_VALUE / 2
+    sums = e.sum(-1, keepdims=True)
+    total = jnp.where(valid, sums, jnp.inf)
     v = jnp.concatenate([g[2] for g in groups], axis=2)
     q_len = groups[0][0].shape[1]
     out = jnp.einsum("bhmk,bhkd->bhmd", einops.rearrange(e, "b h g q k -> b h (g q) k").astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     out = einops.rearrange(out, "b h (g q) d -> b h g q d", q=q_len) / total
     out = einops.rearrange(out, "b h g q d -> b q (h g) d").astype(groups[0][0].dtype)
-    return (out, e / total) if return_weights else out
+    lse = jnp.where(valid, row_max + jnp.log(sums), MASK_VALUE)[..., 0]
+    return out, lse
 
 
 def attend_cache(q, kt, vt, mask) -> jnp.ndarray:
@@ -115,51 +121,73 @@ def attend_cache(q, kt, vt, mask) -> jnp.ndarray:
     backend: q ``[batch, q_len, num_heads, head_dim]`` (rotated), kt/vt ``[batch, num_kv_heads, kv_len,
     head_dim]`` (kt rotated), mask a ``MaskSpec`` or bool ``[batch, q_len, kv_len]`` ->
     ``[batch, q_len, num_heads, head_dim]`` in q's dtype. Same math as ``attend(..., impl="dense")``."""
-    return _dense_heads_first([(q, kt, vt, mask)], False)
+    return _dense_heads_first([(q, kt, vt, mask)])[0]
 
 
 def _merge_lse(outs, lses):
-    """Exact joint softmax of groups attended separately: ``out [b, q, H, d]``, ``lse [b, kvh, g, q]``."""
+    """Exact joint softmax of groups attended separately: ``out [b, q, H, d]``, ``lse [b, kvh, g, q]`` per
+    group -> ``(out, joint lse)``."""
     lse = jax.nn.logsumexp(jnp.stack(lses), axis=0)
     out = 0.0
     for o, l in zip(outs, lses):
         w = einops.rearrange(jnp.exp(l - lse), "b h g q -> b q (h g) 1")
         out = out + w * o.astype(jnp.float32)
-    return out.astype(outs[0].dtype)
+    return out.astype(outs[0].dtype), lse
 
 
-def attend_joint(groups, *, return_weights: bool = False, impl: str = "auto"):
+def attend_joint(groups, *, return_lse: bool = False, impl: str = "auto"):
     """One softmax over the concatenated logits of ``groups = [(q, k, v, mask), ...]``.
 
     Shapes per group: q ``[batch, q_len, num_heads, head_dim]`` (rotated), k/v
     ``[batch, kv_len_i, num_kv_heads, head_dim]`` (k rotated), mask a ``MaskSpec`` or bool
     ``[batch, q_len, kv_len_i]``. Returns ``[batch, q_len, num_heads, head_dim]`` in q's dtype; with
-    ``return_weights`` also the float32 attention weights ``[batch, num_kv_heads, heads_per_kv_head,
-    q_len, sum(kv_len_i)]`` (keys in group order), e.g. EM-LLM's representative-token scores.
+    ``return_lse`` also the float32 log-sum-exp of each query's joint logits ``[batch, num_kv_heads,
+    heads_per_kv_head, q_len]`` (``MASK_VALUE`` for a row with no visible key), the input of ``key_mass``.
 
-    ``return_weights`` or any dense mask runs the dense reference; otherwise ``impl`` (see module doc)
-    runs each group and the groups are merged by log-sum-exp (blockwise for more than one group).
+    Any dense mask runs the dense reference; otherwise ``impl`` (see module doc) runs each group and the
+    groups are merged by log-sum-exp (blockwise for more than one group, or with ``return_lse``).
 
     Raises:
       ValueError: num_heads is not a multiple of num_kv_heads, or an unknown ``impl``.
     """
     check_impl(impl)
-    if return_weights or not all(isinstance(m, MaskSpec) for *_, m in groups):
-        return _dense_joint(groups, return_weights)
     q_len = groups[0][0].shape[1]
     kv_len = sum(g[1].shape[1] for g in groups)
-    chosen = resolve_impl(impl, q_len, kv_len)
+    dense = not all(isinstance(m, MaskSpec) for *_, m in groups)
+    chosen = "dense" if dense else resolve_impl(impl, q_len, kv_len)
     if chosen == "dense":
-        return _dense_joint(groups, False)
-    if len(groups) == 1:
+        out, lse = _dense_joint(groups)
+    elif len(groups) == 1 and not return_lse and chosen in ("cudnn", "splash"):
         q, k, v, spec = groups[0]
-        if chosen == "cudnn":
-            return kernels.cudnn_or_blockwise(q, k, v, spec)
-        if chosen == "splash":
-            return kernels.splash_or_blockwise(q, k, v, spec)
-        return blockwise_attention(q, k, v, spec)[0]
-    outs, lses = zip(*(blockwise_attention(q, k, v, spec) for q, k, v, spec in groups))
-    return _merge_lse(outs, lses)
+        kernel = kernels.cudnn_or_blockwise if chosen == "cudnn" else kernels.splash_or_blockwise
+        return kernel(q, k, v, spec)
+    elif len(groups) == 1:
+        out, lse = blockwise_attention(*groups[0])
+    else:
+        outs, lses = zip(*(blockwise_attention(q, k, v, spec) for q, k, v, spec in groups))
+        out, lse = _merge_lse(outs, lses)
+    return (out, lse) if return_lse else out
+
+
+def key_mass(q, k, mask, lse, query_weights) -> jnp.ndarray:
+    """Attention mass the keys of one ``attend_joint`` group receive: ``Σ_q w[n, q] · p(q, key)``.
+
+    Args:
+      q: ``[batch, q_len, num_heads, head_dim]`` (rotated), k: ``[batch, kv_len, num_kv_heads, head_dim]``
+        (rotated), mask: a ``MaskSpec`` or bool ``[batch, q_len, kv_len]``: the group as given to
+        ``attend_joint``.
+      lse: float32 ``[batch, num_kv_heads, heads_per_kv_head, q_len]`` from ``attend_joint(...,
+        return_lse=True)`` over all the groups (so ``p`` is the joint softmax weight).
+      query_weights: float ``[batch, n, q_len]``: ``n`` weightings of the queries (EM-LLM: 1 on valid
+        queries; a one-hot row gives one query's weights; the identity gives every weight).
+
+    Returns:
+      float32 ``[batch, n, num_heads, kv_len]``. Dense (``[q, kv]`` logits per head) on every backend.
+    """
+    logits = _group_logits(q, _heads_first(k), _dense_mask(mask))          # [b, kvh, g, q, kv]
+    p = jnp.where(logits > MASK_VALUE / 2, jnp.exp(logits - lse[..., None]), 0.0)
+    mass = jnp.einsum("bnq,bhgqk->bnhgk", query_weights.astype(jnp.float32), p)
+    return einops.rearrange(mass, "b n h g k -> b n (h g) k")
 
 
 def attend(q, k, v, mask, *, impl: str = "auto") -> jnp.ndarray:
