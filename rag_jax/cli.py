@@ -71,7 +71,7 @@ def _dispatch(verb: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rag_jax.evaluation.args import ScriptParser  # one-line errors; the verbs' subparsers inherit the class
+    from rag_jax.args import ScriptParser  # one-line errors; the verbs' subparsers inherit the class
 
     parser = ScriptParser(prog="rag-jax", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,

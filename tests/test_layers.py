@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1] / "rag_jax"
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(s.split()) for s in (
     "rag_jax atomic config metrics sharding distributed text tokenizer progress file_errors",
     "model",
+    "args",
     "inference",
     "data",
     "retrieval",
@@ -43,8 +44,15 @@ ALLOWED_CYCLES: dict[tuple[str, ...], str] = {}
 ALLOWED_PACKAGE_CYCLES: dict[tuple[str, ...], str] = {}
 
 # Package-internal imports inside functions: 197 before issue 26. Left: cli.py's lazy dispatch (``rag-jax --help``
-# imports no subcommand, 7) and benchmarks/prefill_profile.py (3: XLA's trace flags are set before JAX loads).
-MAX_FUNCTION_IMPORTS = 10
+# imports no subcommand, 7) and benchmarks/prefill_profile.py (4: JAX loads after the CPU affinity is set).
+MAX_FUNCTION_IMPORTS = 11
+
+# Modules that construct an ``argparse.ArgumentParser`` themselves (every other script builds ``rag_jax.args.
+# ScriptParser``: one-line errors, one set of argument types). 8 before issue 26.
+SCRIPT_ROOTS = ("rag_jax", "train", "eval", "bench")
+ALLOWED_PARSER_BUILDERS = {
+    "eval/reference/run_em_llm_reference.py": "runs the reference EM-LLM code in its own venv, without rag_jax",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +190,22 @@ def counts() -> dict[str, int]:
         "imports inside functions": len({(e.src, e.line) for e in all_edges if e.in_function}),
         "files over 500 lines": sum(len(p.read_text().splitlines()) > 500 for p in modules().values()),
         "functions over 80 lines": len(long_functions()),
+        "modules building an ArgumentParser": len(parser_builders()),
     }
+
+
+def parser_builders() -> list[str]:
+    """Files under ``SCRIPT_ROOTS`` that call ``ArgumentParser(...)`` (``argparse.ArgumentParser`` or the bare
+    name), relative to the repository root."""
+    repo = ROOT.parent
+    out = []
+    for top in SCRIPT_ROOTS:
+        for path in sorted((repo / top).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            if any(isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", None)) == "ArgumentParser"
+                   for n in ast.walk(tree)):
+                out.append(str(path.relative_to(repo)))
+    return out
 
 
 def test_every_package_has_a_layer():
@@ -213,6 +236,12 @@ def test_few_imports_inside_functions():
     assert n <= MAX_FUNCTION_IMPORTS, f"{n} package-internal imports inside functions (at most " \
                                       f"{MAX_FUNCTION_IMPORTS}); import at the top unless the module pulls in an " \
                                       "optional heavy dependency"
+
+
+def test_one_argument_parser():
+    assert [f for f in parser_builders() if f not in ALLOWED_PARSER_BUILDERS] == [], \
+        "build rag_jax.args.ScriptParser instead of argparse.ArgumentParser"
+    assert "rag_jax/args.py" not in parser_builders()  # it subclasses, it does not build one
 
 
 def test_the_analysis_sees_what_it_should():

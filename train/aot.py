@@ -10,7 +10,6 @@ numbers when the step does not fit a chip's HBM, 2 on a bad config.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -20,9 +19,11 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no exclusive TPU lock needed
 
+from rag_jax.args import ScriptParser  # noqa: E402  (after the environment above: libtpu reads it when JAX loads)
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__)
     parser.add_argument("--config", default=None, help="YAML preset (train/configs/*.yaml)")
     parser.add_argument("--topology", action="append", required=True, help="e.g. v5p:2x2x2, v5p-64 (repeatable)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")

@@ -14,10 +14,11 @@ import argparse
 import sys
 
 from rag_jax import distributed
+from rag_jax.args import ScriptParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--devices_per_process", type=int, default=2)
     parser.add_argument("--timeout_s", type=float, default=3600.0)

@@ -4,13 +4,13 @@
 """
 from __future__ import annotations
 
-import argparse
 
 from rag_jax.data.text_tfds import prepare_text_dataset
+from rag_jax.args import ScriptParser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__)
     parser.add_argument("--data_dir", required=True, help="tfds data folder")
     parser.add_argument("--dataset", default="phantom_wiki/articles_p60_s0",
                         help="phantom_wiki/articles or phantom_wiki/articles_p<people>_s<seed>")

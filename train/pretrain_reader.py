@@ -29,7 +29,6 @@ killed run resumes from its last orbax checkpoint in ``<out>.ckpt`` (data is a f
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -38,11 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
+from rag_jax.args import ScriptParser
+
 HELDOUT_SEED = 200  # the universe the script reports exact match on (neither a training nor a demo seed)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ScriptParser(description=__doc__)
     p.add_argument("--out", required=True, help="output folder (HF format + tokenizer.json + reader.json)")
     p.add_argument("--steps", type=int, default=2400)
     p.add_argument("--batch", type=int, default=16, help="rows per step")

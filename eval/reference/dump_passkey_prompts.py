@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from rag_jax.evaluation.args import ScriptParser, integer, model_source, output_file
+from rag_jax.args import ScriptParser, integer, model_source, output_file
 
 
 def main(argv=None) -> int:

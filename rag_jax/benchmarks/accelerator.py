@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from rag_jax.atomic import write_text
-from rag_jax.evaluation.args import ScriptParser, output_file
+from rag_jax.args import ScriptParser, output_file
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model import kernels

@@ -32,7 +32,7 @@ import tempfile
 
 import jax
 
-from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source, names
+from rag_jax.args import ScriptParser, int_list, integer, model_source, names
 from rag_jax.evaluation.timing import clock_fn, cpu_threads, median_ms
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.attention import attend

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from rag_jax.evaluation import long_context
-from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source
+from rag_jax.args import ScriptParser, input_file, integer, model_source
 from rag_jax.evaluation.passkey import method_config
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer, cpu_threads, median_ms, times_ms

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from rag_jax.evaluation.args import ScriptParser, int_list, integer, model_source, names
+from rag_jax.args import ScriptParser, int_list, integer, model_source, names
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import clock_fn, cpu_threads, median_ms
 from rag_jax.inference.grit_cache import GritCache

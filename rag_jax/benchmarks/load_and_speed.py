@@ -24,7 +24,7 @@ import torch
 import transformers
 from flax import nnx
 
-from rag_jax.evaluation.args import ScriptParser, integer, model_source
+from rag_jax.args import ScriptParser, integer, model_source
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.inference.chat import stream_tokens

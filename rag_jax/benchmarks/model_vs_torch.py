@@ -38,7 +38,7 @@ from flax import nnx
 
 from rag_jax import sharding
 from rag_jax.benchmarks.train_bench import lm_rows, train_step_seconds
-from rag_jax.evaluation.args import ScriptParser, add_model_dims, integer, model_dims, real
+from rag_jax.args import ScriptParser, add_model_dims, integer, model_dims, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import cpu_threads, median_ms
 from rag_jax.model import ModelConfig, Transformer

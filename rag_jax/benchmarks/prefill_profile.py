@@ -15,7 +15,6 @@ total (threads x wall), so ``(no thunk)`` also shows how much of the second core
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import os
@@ -189,8 +188,8 @@ def profile(length: int, impl: str, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rag_jax.benchmarks.prefill_profile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rag_jax.args import ScriptParser  # imported here like the rest: JAX loads after the affinity is set
+    p = ScriptParser(prog="python -m rag_jax.benchmarks.prefill_profile", description=__doc__)
     p.add_argument("--sizes", default="1024,8192", help="prompt lengths, comma-separated")
     p.add_argument("--impl", default="blockwise")
     p.add_argument("--threads", type=int, default=2, help="cores (CPU affinity, as taskset); 0 = unpinned")

@@ -32,7 +32,7 @@ import os
 import numpy as np
 
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, shared_file
-from rag_jax.evaluation.args import ScriptParser, integer, real
+from rag_jax.args import ScriptParser, integer, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer, median_ms
 from rag_jax.metrics import recall_at_k

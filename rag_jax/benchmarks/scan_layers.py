@@ -23,7 +23,7 @@ from flax import nnx
 
 from rag_jax import sharding
 from rag_jax.atomic import write_text
-from rag_jax.evaluation.args import ScriptParser, integer, output_file
+from rag_jax.args import ScriptParser, integer, output_file
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import cpu_threads, median_ms
 from rag_jax.benchmarks.train_bench import train_step_seconds

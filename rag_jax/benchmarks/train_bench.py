@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rag_jax import sharding
-from rag_jax.evaluation.args import ScriptParser, integer, real
+from rag_jax.args import ScriptParser, integer, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import cpu_threads, median_ms
 from rag_jax.model import ModelConfig

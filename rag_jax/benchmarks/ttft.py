@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rag_jax.evaluation.args import ScriptParser, add_model_dims, int_list, integer, model_dims, model_source
+from rag_jax.args import ScriptParser, add_model_dims, int_list, integer, model_dims, model_source
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import clock_fn, cpu_threads, median_ms
 from rag_jax.inference.block_attention import BlockAttention

@@ -58,7 +58,7 @@ from rag_jax.atomic import write_text
 from rag_jax.data.block_rag import BlockExample, encode
 from rag_jax.data.chat_blocks import ChatBlocks
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
-from rag_jax.evaluation.args import ScriptParser, input_file, int_list, integer, model_source, names, output_file, real
+from rag_jax.args import ScriptParser, input_file, int_list, integer, model_source, names, output_file, real
 from rag_jax.evaluation.rag import complete_replies, generate_answers, greedy_replies, memo_json, score_answer
 from rag_jax.evaluation.tables import table
 from rag_jax.inference.block_attention import BlockAttention

@@ -43,7 +43,7 @@ from rag_jax.atomic import write_text
 from rag_jax.data import block_rag
 from rag_jax.data.loaders import load_phantomwiki
 from rag_jax.data.phantom import generate_universe
-from rag_jax.evaluation.args import ScriptParser, input_dir, input_file, output_file
+from rag_jax.args import ScriptParser, input_dir, input_file, output_file
 from rag_jax.evaluation.models import load_for_eval
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer

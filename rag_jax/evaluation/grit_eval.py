@@ -34,7 +34,7 @@ from rag_jax import sharding
 from rag_jax.atomic import write_text
 from rag_jax.data.grit import GritDataConfig, grit_batches, tokenize_generative_record
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, shared_file
-from rag_jax.evaluation.args import ScriptParser, input_file, names, output_file
+from rag_jax.args import ScriptParser, input_file, names, output_file
 from rag_jax.evaluation.tables import table
 from rag_jax.metrics import recall_of_scores
 from rag_jax.model import ModelConfig

@@ -85,7 +85,7 @@ from rag_jax.atomic import write_text
 from rag_jax.data.grit import ChatGritFormat, GritDataConfig, grit_batches, tokenize_generative_record
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
 from rag_jax.data.chat_blocks import INSTRUCTION as ANSWER_INSTRUCTION, PASSAGE, QUESTION, ChatBlocks
-from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, names, output_file, real
+from rag_jax.args import ScriptParser, input_file, integer, model_source, names, output_file, real
 from rag_jax.evaluation.grit_eval import answer_window
 from rag_jax.evaluation.rag import complete_replies, greedy_replies, memo_json
 from rag_jax.evaluation.tables import table

@@ -60,7 +60,7 @@ import numpy as np
 from rag_jax.atomic import write_text
 from rag_jax.data.loaders import load_kv_retrieval
 from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
-from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, output_file
+from rag_jax.args import ScriptParser, input_file, integer, model_source, output_file
 from rag_jax.evaluation.passkey import (EM_VARIANTS, FILLER, KV_FILE, METHODS as PASSKEY_METHODS, kv_prompt,
                                         method_config)
 from rag_jax.evaluation.plots import line_plot

@@ -40,7 +40,7 @@ from flax import nnx
 from rag_jax import sharding
 from rag_jax.data.loaders import load_kv_retrieval, shared_file
 from rag_jax.data.pipeline import DataConfig
-from rag_jax.evaluation.args import ScriptParser, input_file, integer, model_source, output_file, real
+from rag_jax.args import ScriptParser, input_file, integer, model_source, output_file, real
 from rag_jax.evaluation.models import load_for_eval
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer

@@ -31,7 +31,7 @@ from rag_jax.atomic import write_text
 from rag_jax.data import phantom_rag
 from rag_jax.data.block_rag import encode
 from rag_jax.data.loaders import load_nq_oracle
-from rag_jax.evaluation.args import ScriptParser, input_dir, input_path, integer, output_file
+from rag_jax.args import ScriptParser, input_dir, input_path, integer, output_file
 from rag_jax.evaluation.models import load_rag_model
 from rag_jax.evaluation.rag import generate_answers, mean_scores, retrieval_eval, score_answer, with_gold
 from rag_jax.evaluation.tables import table

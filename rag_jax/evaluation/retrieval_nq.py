@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
-from rag_jax.evaluation.args import ScriptParser, input_file, integer, output_file, real
+from rag_jax.args import ScriptParser, input_file, integer, output_file, real
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
 from rag_jax.metrics import hit_at_k, recall_at_k

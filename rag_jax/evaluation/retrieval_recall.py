@@ -23,7 +23,7 @@ import numpy as np
 from rag_jax.atomic import write_text
 from rag_jax.data import phantom_rag
 from rag_jax.data.loaders import load_phantomwiki
-from rag_jax.evaluation.args import ScriptParser, input_dir, int_list, integer, output_file
+from rag_jax.args import ScriptParser, input_dir, int_list, integer, output_file
 from rag_jax.evaluation.models import load_rag_model, rag_settings
 from rag_jax.evaluation.rag import retrieval_eval
 from rag_jax.evaluation.tables import table

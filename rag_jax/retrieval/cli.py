@@ -20,7 +20,6 @@ keys, values parsed as YAML, e.g. ``index.type=exact corpus.chunk_tokens=128``):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -30,6 +29,7 @@ import numpy as np
 import yaml
 
 from rag_jax import config as config_lib
+from rag_jax.args import ScriptParser
 from rag_jax.atomic import check_target
 from rag_jax.retrieval.corpus import Corpus
 from rag_jax.retrieval.embedders import embed_texts
@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> None:
-    p = argparse.ArgumentParser(prog="python -m rag_jax.retrieval.cli", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ScriptParser(prog="python -m rag_jax.retrieval.cli", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="embed a corpus and build an index from a config")
     b.add_argument("config", help="YAML config file")

@@ -8,11 +8,11 @@ auto-detected on Cloud TPU and SLURM (``--auto_distributed``). See train/launch_
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
 from rag_jax import distributed
+from rag_jax.args import ScriptParser
 from rag_jax.train import trainer
 
 
@@ -28,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(argv: list[str] | None = None):
     """Parse ``argv``, train, print the final losses; returns the ``TrainResult``."""
-    parser = argparse.ArgumentParser(prog="rag-jax train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(prog="rag-jax train", description=__doc__)
     parser.add_argument("--config", default=None, help="YAML preset (train/configs/*.yaml)")
     parser.add_argument("--auto_distributed", action="store_true",
                         help="call jax.distributed.initialize() with no arguments (Cloud TPU pods, SLURM)")
