@@ -1,4 +1,7 @@
-"""`rag-jax bench accelerator`: see rag_jax/benchmarks/accelerator.py."""
-from rag_jax.benchmarks.accelerator import main
+"""`python bench/accelerator.py ARGS` = `rag-jax bench accelerator ARGS` (rag_jax/benchmarks/accelerator.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["bench", "accelerator", *sys.argv[1:]]))

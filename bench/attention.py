@@ -1,4 +1,7 @@
-"""`rag-jax bench attention`: see rag_jax/benchmarks/attention.py."""
-from rag_jax.benchmarks.attention import main
+"""`python bench/attention.py ARGS` = `rag-jax bench attention ARGS` (rag_jax/benchmarks/attention.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["bench", "attention", *sys.argv[1:]]))

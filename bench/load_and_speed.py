@@ -1,4 +1,7 @@
-"""`rag-jax bench load_and_speed`: see rag_jax/benchmarks/load_and_speed.py."""
-from rag_jax.benchmarks.load_and_speed import main
+"""`python bench/load_and_speed.py ARGS` = `rag-jax bench load_and_speed ARGS` (rag_jax/benchmarks/load_and_speed.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["bench", "load_and_speed", *sys.argv[1:]]))

@@ -1,4 +1,7 @@
-"""`rag-jax bench magicpig`: see rag_jax/benchmarks/magicpig.py."""
-from rag_jax.benchmarks.magicpig import main
+"""`python bench/magicpig.py ARGS` = `rag-jax bench magicpig ARGS` (rag_jax/benchmarks/magicpig.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["bench", "magicpig", *sys.argv[1:]]))

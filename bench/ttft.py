@@ -1,4 +1,7 @@
-"""`rag-jax bench ttft`: see rag_jax/benchmarks/ttft.py."""
-from rag_jax.benchmarks.ttft import main
+"""`python bench/ttft.py ARGS` = `rag-jax bench ttft ARGS` (rag_jax/benchmarks/ttft.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["bench", "ttft", *sys.argv[1:]]))

@@ -1,4 +1,7 @@
-"""`rag-jax eval block_distill`: see rag_jax/evaluation/block_distill.py."""
-from rag_jax.evaluation.block_distill import main
+"""`python eval/block_distill.py ARGS` = `rag-jax eval block_distill ARGS` (rag_jax/recipes/block_attention/block_distill.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["eval", "block_distill", *sys.argv[1:]]))

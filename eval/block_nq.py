@@ -1,4 +1,7 @@
-"""`rag-jax eval block_nq`: see rag_jax/evaluation/block_nq.py."""
-from rag_jax.evaluation.block_nq import main
+"""`python eval/block_nq.py ARGS` = `rag-jax eval block_nq ARGS` (rag_jax/recipes/block_attention/block_nq.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["eval", "block_nq", *sys.argv[1:]]))

@@ -1,4 +1,7 @@
-"""`rag-jax eval block_quality`: see rag_jax/evaluation/block_quality.py."""
-from rag_jax.evaluation.block_quality import main
+"""`python eval/block_quality.py ARGS` = `rag-jax eval block_quality ARGS` (rag_jax/recipes/block_attention/block_quality.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["eval", "block_quality", *sys.argv[1:]]))

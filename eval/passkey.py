@@ -1,4 +1,7 @@
-"""`rag-jax eval passkey`: see rag_jax/evaluation/passkey.py."""
-from rag_jax.evaluation.passkey import main
+"""`python eval/passkey.py ARGS` = `rag-jax eval passkey ARGS` (rag_jax/recipes/em_llm/passkey.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["eval", "passkey", *sys.argv[1:]]))

@@ -1,4 +1,7 @@
-"""`rag-jax eval rag_qa`: see rag_jax/evaluation/rag_qa.py."""
-from rag_jax.evaluation.rag_qa import main
+"""`python eval/rag_qa.py ARGS` = `rag-jax eval rag_qa ARGS` (rag_jax/evaluation/rag_qa.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["eval", "rag_qa", *sys.argv[1:]]))

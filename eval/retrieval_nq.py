@@ -1,4 +1,7 @@
-"""`rag-jax eval retrieval_nq`: see rag_jax/evaluation/retrieval_nq.py."""
-from rag_jax.evaluation.retrieval_nq import main
+"""`python eval/retrieval_nq.py ARGS` = `rag-jax eval retrieval_nq ARGS` (rag_jax/evaluation/retrieval_nq.py)."""
+import sys
 
-raise SystemExit(main())
+from rag_jax.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["eval", "retrieval_nq", *sys.argv[1:]]))

@@ -1,8 +1,9 @@
 """``rag-jax`` command line: the main jobs, evaluations and benchmarks (``python -m rag_jax`` is the same).
 
     rag-jax train --config train/configs/tiny.yaml [key=value ...]   train a model (rag_jax.train.cli)
-    rag-jax demo [key=value ...]                                     the end-to-end demo (rag_jax.demo)
-    rag-jax eval NAME [args]                                         an evaluation (rag_jax.evaluation.NAME)
+    rag-jax demo [key=value ...]                                     the end-to-end demo (rag_jax.recipes.rag_demo)
+    rag-jax eval NAME [args]                                         an evaluation (EVALS: a paper's recipe or
+                                                                     rag_jax.evaluation)
     rag-jax bench NAME [args]                                        a benchmark (rag_jax.benchmarks.NAME)
     rag-jax index CONFIG.yaml [key=value ...]                        build a retrieval index (rag_jax.retrieval.cli)
     rag-jax search OUTPUT_DIR "question" [...]                       query it
@@ -17,11 +18,24 @@ import importlib
 import sys
 import time
 
-EVALS = ("block_distill", "block_nq", "block_quality", "grit_eval", "grit_pretrained", "long_context", "passkey", "rag_qa",
-         "retrieval_nq", "retrieval_recall")
-BENCHES = ("accelerator", "attention", "em_llm_bench", "grit_caching", "load_and_speed", "magicpig", "model_vs_torch",
-           "retrieval_bench", "scan_layers", "train_bench", "ttft")
-SCRIPTS = {"eval": ("rag_jax.evaluation", EVALS), "bench": ("rag_jax.benchmarks", BENCHES)}
+# ``rag-jax eval NAME`` -> its module: each paper's experiments live in its recipe folder (rag_jax/recipes/),
+# the evaluations that train nothing in rag_jax/evaluation/.
+EVALS = {
+    "block_distill": "rag_jax.recipes.block_attention.block_distill",
+    "block_nq": "rag_jax.recipes.block_attention.block_nq",
+    "block_quality": "rag_jax.recipes.block_attention.block_quality",
+    "grit_eval": "rag_jax.recipes.grit.grit_eval",
+    "grit_pretrained": "rag_jax.recipes.grit.grit_pretrained",
+    "long_context": "rag_jax.recipes.em_llm.long_context",
+    "passkey": "rag_jax.recipes.em_llm.passkey",
+    "rag_qa": "rag_jax.evaluation.rag_qa",
+    "retrieval_nq": "rag_jax.evaluation.retrieval_nq",
+    "retrieval_recall": "rag_jax.evaluation.retrieval_recall",
+}
+BENCHES = {name: f"rag_jax.benchmarks.{name}" for name in (
+    "accelerator", "attention", "em_llm_bench", "grit_caching", "load_and_speed", "magicpig", "model_vs_torch",
+    "retrieval_bench", "scan_layers", "train_bench", "ttft")}
+SCRIPTS = {"eval": EVALS, "bench": BENCHES}
 # Verbs whose arguments belong to another module's parser: (module, leading arguments).
 DISPATCH = {"train": ("rag_jax.train.cli", []), "index": ("rag_jax.retrieval.cli", ["build"]),
             "search": ("rag_jax.retrieval.cli", ["query"])}
@@ -52,17 +66,17 @@ def _smoke(args) -> int:
 
 
 def _demo(args) -> int:
-    from rag_jax.demo import run_cli
+    from rag_jax.recipes.rag_demo import run_cli
     return run_cli(args)
 
 
 def _script(verb: str, name: str, argv: list[str]) -> int:
     """``rag-jax eval|bench NAME args``: ``main(args)`` of that module."""
-    package, names = SCRIPTS[verb]
+    names = SCRIPTS[verb]
     if name not in names:
         print(f"rag-jax: error: unknown {verb} {name!r}; valid: {', '.join(names)}", file=sys.stderr)
         return 2
-    return importlib.import_module(f"{package}.{name}").main(argv) or 0
+    return importlib.import_module(names[name]).main(argv) or 0
 
 
 def _dispatch(verb: str, argv: list[str]) -> int:
@@ -79,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for verb, (module, _) in DISPATCH.items():
         sub.add_parser(verb, help=f"see rag-jax {verb} --help ({module})", add_help=False)
-    for verb, (package, names) in SCRIPTS.items():
-        p = sub.add_parser(verb, help=f"run {package}.NAME: {', '.join(names)}",
-                           description=f"rag-jax {verb} NAME [args]: run {package}.NAME. NAME is one of: "
+    for verb, names in SCRIPTS.items():
+        p = sub.add_parser(verb, help=f"run NAME: {', '.join(names)}",
+                           description=f"rag-jax {verb} NAME [args]: run NAME's module (rag_jax.cli.SCRIPTS). NAME is one of: "
                            f"{', '.join(names)}. 'rag-jax {verb} NAME --help' shows its arguments.")
         p.add_argument("name", metavar="NAME", help=", ".join(names))
         p.set_defaults(func=lambda args, verb=verb: _script(verb, args.name, []))
@@ -93,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.set_defaults(func=_smoke)
     demo = sub.add_parser(
         "demo", help="the main job: universe -> reader base -> GRIT + Block-Attention fine-tuning -> ScaNN retrieval "
-        "-> answers, TTFT, plots, metrics JSON, run folder (rag_jax/demo/)",
-        description="Train and evaluate a small retrieval-augmented model end to end (see rag_jax/demo/). "
+        "-> answers, TTFT, plots, metrics JSON, run folder (rag_jax/recipes/rag_demo/)",
+        description="Train and evaluate a small retrieval-augmented model end to end (see rag_jax/recipes/rag_demo/). "
         "Default: a few minutes on 2 CPU cores.")
     demo.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                       help="config overrides, e.g. train.steps=400 task.num_passages=3")
@@ -105,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "runs/demo_real with --model")
     demo.add_argument("--model", default=None,
                       help="real-model track: a pretrained chat model (e.g. smollm2-135m-instruct, a .gguf file or "
-                      "an HF folder) answers zero-shot from the demo's retrieval; no training (rag_jax/demo/real_model.py)")
+                      "an HF folder) answers zero-shot from the demo's retrieval; no training (rag_jax/recipes/rag_demo/real_model.py)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(func=_demo)
     from rag_jax.inference.chat import add_subcommands

@@ -188,12 +188,15 @@ def from_dict(cls, data: dict[str, Any] | None, prefix: str = "", _from_string: 
         dotted = f"{prefix}{key}"
         sub = _section_type(tp)
         if sub is not None and isinstance(value, dict):
+            base = _field_default(fields[key])
+            if dataclasses.is_dataclass(base) and "preset" not in value:   # a partial section keeps the rest
+                value = _merge(to_dict(base), value)                        # of the field's own default
             kwargs[key] = from_dict(sub, value, dotted + ".", _from_string)
         else:
             kwargs[key] = _coerce(value, tp, dotted, dotted in _from_string)
     for key, f in fields.items():
         sub = _section_type(hints[key])
-        if key not in kwargs and sub is not None and f.default is dataclasses.MISSING:
+        if key not in kwargs and sub is not None and _field_default(f) is None:   # a section with no default
             kwargs[key] = from_dict(sub, {}, f"{prefix}{key}.", _from_string)
     try:
         return cls(**kwargs)
@@ -201,6 +204,15 @@ def from_dict(cls, data: dict[str, Any] | None, prefix: str = "", _from_string: 
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"invalid {prefix.rstrip('.') or cls.__name__}: {e}") from e
+
+
+def _field_default(f: dataclasses.Field):
+    """The field's default value (built by its ``default_factory`` if it has one), or None."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
 
 
 def _section_type(tp):

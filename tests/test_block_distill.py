@@ -1,4 +1,4 @@
-"""Block-Attention self-distillation (rag_jax.train.block_distill, objectives.block_distill) against float64 NumPy
+"""Block-Attention self-distillation (rag_jax.recipes.block_attention.distill, objectives.block_distill) against float64 NumPy
 computed from the whole model's own logits: the cached features (teacher states, log-probabilities of both modes),
 the loss value, the cache (hits equal, a changed model misses), a short run (the full pass starts at KL 0, the
 frozen bottom stays bit-identical, the HF export loads back), and the paired statistics."""
@@ -14,9 +14,9 @@ from flax import nnx
 from rag_jax.data.block_rag import BlockExample
 from rag_jax.tokenizer import byte_tokenizer
 from rag_jax.model import ModelConfig, Transformer
-from rag_jax.evaluation.block_distill import same_bottom
+from rag_jax.recipes.block_attention.block_distill import same_bottom
 from rag_jax.model.load import LoadedModel, load_model
-from rag_jax.train.block_distill import (DistillConfig, DistillFeatures, answer_loglik, answer_logprobs,
+from rag_jax.recipes.block_attention.distill import (DistillConfig, DistillFeatures, answer_loglik, answer_logprobs,
                                          distill, distill_batch, export_hf, shape_batches, target_positions)
 from rag_jax.inference.block_prefix import block_parts
 from rag_jax.train.frozen_bottom import split_model
@@ -293,7 +293,7 @@ def test_em_table_scores_greedy_replies_and_its_reply_cache_is_keyed_by_the_weig
     generating, and a model with other weights generates again."""
     from types import SimpleNamespace
 
-    from rag_jax.evaluation import block_distill as bd
+    from rag_jax.recipes.block_attention import block_distill as bd
     from rag_jax.evaluation.rag import generate_answers
     from rag_jax.inference.block_attention import BlockAttention
     from rag_jax.metrics import best_subspan_em

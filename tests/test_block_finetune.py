@@ -17,7 +17,7 @@ from rag_jax.tokenizer import byte_tokenizer
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.load import LoadedModel, load_model
 from rag_jax.train import optim, step as step_lib
-from rag_jax.train.block_finetune import BlockFinetuneConfig, finetune, top_layers
+from rag_jax.recipes.block_attention.finetune import BlockFinetuneConfig, finetune, top_layers
 from rag_jax.train.objectives.block import MixedBlockLoss
 
 CFG = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2, num_kv_heads=1,
@@ -121,7 +121,7 @@ def test_nq_training_rows_fill_seq_len_with_ranked_negatives():
     from types import SimpleNamespace
 
     from rag_jax.data.chat_blocks import PASSAGE, ChatBlocks
-    from rag_jax.evaluation.block_nq import training_examples
+    from rag_jax.recipes.block_attention.block_nq import training_examples
     rng = np.random.default_rng()
     loaded = _tiny_chat_model(0)
     chat = ChatBlocks(loaded)
@@ -150,7 +150,7 @@ def test_block_nq_evaluate_records_em_times_and_the_finetune_record(tmp_path):
     import json
     from types import SimpleNamespace
 
-    from rag_jax.evaluation import block_nq
+    from rag_jax.recipes.block_attention import block_nq
     from rag_jax.metrics import best_subspan_em
     cfg = dataclasses.replace(CFG, max_seq_len=512)
     loaded = LoadedModel(cfg, Transformer(cfg, rngs=nnx.Rngs(3)), "LlamaForCausalLM", byte_tokenizer(), TEMPLATE,
@@ -184,7 +184,7 @@ def test_own_reply_targets_are_the_base_models_complete_greedy_replies(tmp_path)
     from types import SimpleNamespace
 
     from rag_jax.data.block_rag import BlockExample, encode
-    from rag_jax.evaluation import block_nq
+    from rag_jax.recipes.block_attention import block_nq
     from rag_jax.evaluation.rag import generate_answers
     from rag_jax.inference.block_attention import BlockAttention
     cfg = dataclasses.replace(CFG, max_seq_len=512)

@@ -1,4 +1,4 @@
-"""``rag-jax`` verbs: eval / bench dispatch to rag_jax.evaluation / rag_jax.benchmarks (``--help`` only: fast)."""
+"""``rag-jax`` verbs: eval / bench dispatch to the recipes, rag_jax.evaluation and rag_jax.benchmarks (``--help`` only: fast)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +30,21 @@ def test_script_help(verb, name, capsys):
         cli.main([verb, name, "--help"])
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: rag-jax {verb} {name}")
+
+
+def test_script_files_are_the_cli():
+    """``eval/NAME.py`` and ``bench/NAME.py`` exist for exactly the CLI's names, import without running (a
+    ``__main__`` guard) and, run as scripts, are ``rag-jax eval|bench NAME``."""
+    import importlib.util
+    repo = Path(__file__).resolve().parents[1]
+    for verb in ("eval", "bench"):
+        assert sorted(p.stem for p in (repo / verb).glob("*.py")) == sorted(cli.SCRIPTS[verb])
+        for name in cli.SCRIPTS[verb]:
+            spec = importlib.util.spec_from_file_location(f"_script_{verb}_{name}", repo / verb / f"{name}.py")
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))   # no SystemExit: nothing runs
+    r = subprocess.run([sys.executable, str(repo / "eval" / "block_nq.py"), "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: rag-jax eval block_nq")
 
 
 def test_python_m_rag_jax_dispatches():

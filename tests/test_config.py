@@ -80,3 +80,32 @@ def test_overlapping_override_keys_rejected():
 def test_rules_table_override():
     cfg = load_config(RunConfig, None, ['rules=[["batch", ["data"]], ["embed", ["fsdp"]]]'])
     assert cfg.rules == (("batch", ("data",)), ("embed", ("fsdp",)))
+
+
+def test_a_partial_section_keeps_the_fields_own_default():
+    """A section's defaults are its parent field's default (value or ``default_factory``), not the section
+    class's: ``train.steps=5`` keeps the recipe's batch size, an absent section is the factory's instance, and a
+    preset starts from the preset alone."""
+    import dataclasses
+
+    from rag_jax.config import load_config
+    from rag_jax.model import ModelConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class Inner:
+        steps: int = 1
+        batch: int = 2
+
+    @dataclasses.dataclass(frozen=True)
+    class Outer:
+        inner: Inner = dataclasses.field(default_factory=lambda: Inner(steps=10, batch=20))
+        fixed: Inner = Inner(steps=7, batch=8)
+        model: ModelConfig = dataclasses.field(default_factory=ModelConfig.tiny)
+
+    assert load_config(Outer) == Outer()
+    cfg = load_config(Outer, None, ["inner.steps=5", "fixed.batch=9"])
+    assert cfg.inner == Inner(steps=5, batch=20) and cfg.fixed == Inner(steps=7, batch=9)
+    assert load_config(Outer, None, ["model.num_layers=3"]).model == dataclasses.replace(ModelConfig.tiny(),
+                                                                                          num_layers=3)
+    preset = load_config(Outer, None, ["model.preset=smollm2-135m"]).model
+    assert preset.hidden_size == 576 and preset.max_seq_len != ModelConfig.tiny().max_seq_len

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rag_jax import cli, demo
+from rag_jax import cli
+from rag_jax.recipes import rag_demo as demo
 from rag_jax.data import phantom_rag
 from rag_jax.evaluation import rag as rag_eval
 

@@ -30,7 +30,7 @@ def test_hf_folder(tmp_path):
 
 def test_run_folder_of_the_passkey_trainer(tmp_path):
     """A run folder written by ``trainer.run`` (the passkey reader: byte tokenizer) loads as the trained model."""
-    from rag_jax.evaluation.passkey import train_model
+    from rag_jax.recipes.em_llm.passkey import train_model
     model = train_model(CFG, steps=2, batch=2, seq_len=160, lr=1e-3, seed=0, run_dir=tmp_path / "run", progress=False)
     loaded = load_for_eval(tmp_path / "run")
     assert loaded.kind == "run" and loaded.config.hidden_size == 32

@@ -128,7 +128,7 @@ def test_grit_configs_load():
     from pathlib import Path
 
     from rag_jax import config as config_lib
-    from rag_jax.evaluation import grit_eval
+    from rag_jax.recipes.grit import grit_eval
 
     root = Path(__file__).resolve().parents[1]
     paths = sorted((root / "train" / "configs").glob("grit*.yaml"))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rag_jax.data.loaders import NQExample, Passage
-from rag_jax.evaluation.grit_pretrained import discordant, gold_ranks, hard_negatives, recall, split_nq
+from rag_jax.recipes.grit.grit_pretrained import discordant, gold_ranks, hard_negatives, recall, split_nq
 from rag_jax.evaluation.rag import complete_replies, memo_json
 
 

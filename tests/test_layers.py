@@ -30,7 +30,8 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(s.split()) for s in (
     "memory",
     "train",
     "evaluation",
-    "benchmarks demo",
+    "recipes",
+    "benchmarks",
     "cli __main__",
 ))
 
@@ -251,7 +252,7 @@ def test_the_analysis_sees_what_it_should():
     load = [e for e in edges() if e.src == "rag_jax.model.load"]
     assert any(e.dst == "rag_jax.model.config" and not e.in_function for e in load)
     assert package("rag_jax.model.load") == "model" and package("rag_jax.metrics") == "metrics"
-    assert package("rag_jax.demo.__main__") == "__main__"
+    assert package("rag_jax.recipes.rag_demo.__main__") == "__main__"
 
 
 if __name__ == "__main__":

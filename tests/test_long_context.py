@@ -1,4 +1,4 @@
-"""rag_jax.evaluation.long_context plumbing and EMLLM's attention diagnostics (tiny random model, byte tokens)."""
+"""rag_jax.recipes.em_llm.long_context plumbing and EMLLM's attention diagnostics (tiny random model, byte tokens)."""
 import dataclasses
 from pathlib import Path
 
@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from rag_jax.tokenizer import byte_tokenizer
-from rag_jax.evaluation import long_context
+from rag_jax.recipes.em_llm import long_context
 from rag_jax.memory import EMLLM, EMLLMConfig
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.load import LoadedModel
@@ -115,7 +115,7 @@ def test_haystack_prompts_place_the_article_and_mark_the_fact(tmp_path):
 
 
 def test_kv_prompts_mark_the_gold_pair(tmp_path):
-    from rag_jax.evaluation.passkey import KV_FILE
+    from rag_jax.recipes.em_llm.passkey import KV_FILE
     if not KV_FILE.exists():
         pytest.skip(f"{KV_FILE} absent (shared data)")
     loaded = _loaded(tmp_path)

@@ -106,7 +106,7 @@ def test_bm25_writes_no_debug_line_to_the_applications_log():
 
 def test_config_key_without_its_section_suggests_the_dotted_key():
     from rag_jax import config as config_lib
-    from rag_jax.demo.config import DemoConfig
+    from rag_jax.recipes.rag_demo.config import DemoConfig
 
     with pytest.raises(config_lib.ConfigError, match=r"did you mean 'model\.hidden_size'\?"):
         config_lib.load_config(DemoConfig, None, ["hidden_size=64"])

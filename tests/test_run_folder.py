@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rag_jax.evaluation.passkey import train_model
+from rag_jax.recipes.em_llm.passkey import train_model
 from rag_jax.model import ModelConfig
 from rag_jax.model.load import load_model
 from rag_jax.model.run_folder import read_run_config, restore_params

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from rag_jax import text as text_lib
 from rag_jax.data import block_rag
 from rag_jax.data import chat_blocks
-from rag_jax.evaluation import long_context
+from rag_jax.recipes.em_llm import long_context
 from rag_jax.inference.chat import chat_prompt
 from rag_jax.model.embedding import GritFormat, tokenize_for_embedding
 

@@ -10,7 +10,7 @@ Three tables, each with a baseline measured in the same run:
    tokens/s relative to full attention at the first ``--full-lengths`` (issue 16's bar: EM-LLM at 32K >= 0.5).
    Runs are interleaved (each repeat times every row once) so that load on a shared machine hits all rows alike;
    wall and CPU time are both reported (``--threads 1``: one XLA thread, CPU time then measures the work alone).
-   ``--model`` streams a passkey prompt (``rag_jax.evaluation.long_context``, repeat filler) through a
+   ``--model`` streams a passkey prompt (``rag_jax.recipes.em_llm.long_context``, repeat filler) through a
    pretrained model; without it a randomly initialised ``--preset`` model reads structured byte-like tokens
    (throughput does not depend on the weights).
 2. **Event lookup** (``--store-sizes``): median time of one top-k search over a layer's representative vectors
@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from rag_jax.evaluation import long_context
+from rag_jax.recipes.em_llm import long_context
 from rag_jax.args import ScriptParser, input_file, integer, model_source
-from rag_jax.evaluation.passkey import method_config
+from rag_jax.recipes.em_llm.passkey import method_config
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer, cpu_threads, median_ms, times_ms
 from rag_jax.memory import EMLLM, EMLLMConfig, EventIndex, modularity_scores

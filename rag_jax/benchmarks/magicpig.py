@@ -1,6 +1,6 @@
 """MagicPIG's LSH-sampled decode attention vs TopK at equal budget vs exact attention, on a pretrained model.
 
-For each ``--lengths`` and each of ``--samples`` passkey prompts (``rag_jax.evaluation.long_context``; the key at
+For each ``--lengths`` and each of ``--samples`` passkey prompts (``rag_jax.recipes.em_llm.long_context``; the key at
 depths ``(i + 0.5) / samples``) the prompt is prefilled once (exact attention) and then, from the same cache:
 
 1. **Estimator error**: the first decode step's queries of every layer (recorded through
@@ -34,7 +34,7 @@ import numpy as np
 
 from rag_jax.atomic import write_text
 from rag_jax.args import ScriptParser, int_list, integer, model_source, output_file
-from rag_jax.evaluation.long_context import correct, passkey_prompts
+from rag_jax.recipes.em_llm.long_context import correct, passkey_prompts
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import cpu_threads, median_ms
 from rag_jax.inference.generate import generate

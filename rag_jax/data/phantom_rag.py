@@ -339,7 +339,7 @@ class RagTrainingSet:
       data: the task's passages and questions (:func:`prepare_data`).
       tokenizer: a ``tokenizers.Tokenizer`` with the ``<pad>``/``<bos>``/``<eos>`` tokens.
       fmt: GRIT prompt format (:func:`grit_format`).
-      train: the demo's ``train`` section (``rag_jax.demo.DemoTrainConfig``): batch sizes, ``group_size``,
+      train: the demo's ``train`` section (``rag_jax.recipes.rag_demo.DemoTrainConfig``): batch sizes, ``group_size``,
         ``seq_len``/``query_max_len``/``passage_max_len`` (0 = from the data), ``lm_weight``, ``max_turns``,
         ``grit_instruction``, ``seed``.
       num_passages: passages per RAG row (the retriever's k).

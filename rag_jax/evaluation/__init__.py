@@ -1,6 +1,7 @@
-"""Evaluation: shared RAG answer / retrieval / TTFT evaluation (``rag``), model resolution for ``--model``
-(``models``), timing (``timing``) and tables (``tables``), and the evaluations ``rag-jax eval NAME`` runs
-(``block_quality``, ``grit_eval``, ``passkey``, ``rag_qa``, ``retrieval_nq``, ``retrieval_recall``; each has
-``main(argv) -> int``). The scripts under ``eval/`` and ``bench/`` are thin entry points over these modules and
-``rag_jax.benchmarks``.
+"""The evaluation library: what every experiment measures with, and the evaluations that train nothing.
+
+Helpers: ``rag`` (answer scoring, greedy answers, retrieval metrics, TTFT curves), ``models`` (``--model``
+resolution), ``stats`` (paired tests), ``timing``, ``tables``, ``plots``. Evaluations (``rag-jax eval NAME``,
+each a ``main(argv) -> int``): ``rag_qa``, ``retrieval_nq``, ``retrieval_recall``. Imports nothing from
+``rag_jax.train`` or ``rag_jax.recipes``; each paper's experiments live in its recipe (``rag_jax/recipes/``).
 """

@@ -15,7 +15,7 @@ questions and positions.
 
 ``prefix_block_residuals`` is that computation as one batched, jittable and differentiable function of a model
 (token ids or a frozen bottom's outputs as input), which Block-Attention distillation trains through
-(``rag_jax.train.block_distill``): training and inference then see the same attention by construction.
+(``rag_jax.recipes.block_attention.distill``): training and inference then see the same attention by construction.
 ``block_parts`` lays ``BlockExample``s out for it; ``block_logprobs`` scores one example with it.
 """
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _tail_logp(graphdef, state, parts):
 
 def block_logprobs(model, example, *, prefix: str = "none") -> np.ndarray:
     """float32 ``[g]``: log p(next token) at every position of the last block and the response of ``example`` but
-    the final one (the targets of ``rag_jax.train.block_distill``), with the passage blocks encoded after
+    the final one (the targets of ``rag_jax.recipes.block_attention.distill``), with the passage blocks encoded after
     ``prefix`` (``PREFIXES``; module docstring).
 
     Args:

@@ -35,7 +35,7 @@ FULL_BATCH_KEYS = ("tokens", "positions", "segment_ids", "full_inputs_embeds", "
 class BlockDistillLoss:
     """Hashable objective for the train step: ``BlockDistillLoss()(top_model, batch, rng)``.
 
-    Batch (``rag_jax.train.block_distill.distill_batch``), B rows, G target slots:
+    Batch (``rag_jax.recipes.block_attention.distill.distill_batch``), B rows, G target slots:
       the block pass: ``block_parts``' int32 arrays (``PART_KEYS``) and float32 ``head_`` / ``passage_`` /
       ``tail_inputs_embeds`` (the frozen bottom's ``prefix_block_residuals``), ``tail_index`` int32 ``[B, G]``
       (target positions in the tail);
@@ -66,7 +66,7 @@ class BlockDistillLoss:
         missing = [k for k in keys if k not in batch]
         if missing:
             raise ValueError(f"Block-Attention distillation batch is missing {missing}; it has {sorted(batch)} "
-                             "(see rag_jax.train.block_distill.distill_batch)")
+                             "(see rag_jax.recipes.block_attention.distill.distill_batch)")
         mask = batch["target_mask"]
         teacher = model.logits(batch["teacher_hidden"])
 

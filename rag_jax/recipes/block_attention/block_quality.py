@@ -56,7 +56,7 @@ from rag_jax.tokenizer import train_bpe
 from rag_jax.train import optim, trainer
 from rag_jax.train.objectives.block import BlockLoss
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "block_phantom_cpu.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "train" / "configs" / "block_phantom_cpu.yaml"
 SPECIAL_TOKENS = ("<pad>", "<|user|>", "<|assistant|>", "<|end_of_text|>", block_rag.BLOCK_MARKER)
 # A compact RAG template for small models (same block structure as the paper's, fewer tokens);
 # template="paper" uses the v5 strings of rag_jax.data.block_rag.
@@ -120,19 +120,6 @@ class ObjectiveSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainSection:
-    """Attributes as in ``rag_jax.train.trainer.TrainConfig`` (same meaning, same train step)."""
-
-    steps: int = 300
-    global_batch_size: int = 16
-    grad_accum_steps: int = 1
-    seed: int = 0
-    precision: str = "fp32"
-    remat_policy: str = "none"
-    log_every: int = 50
-
-
-@dataclasses.dataclass(frozen=True)
 class InitSection:
     """Attributes:
       hf_dir: start from this model (``--model``): a run folder or an HF checkpoint folder, with its
@@ -167,7 +154,8 @@ class BlockRecipe:
     optimizer: optim.OptimizerConfig = dataclasses.field(default_factory=optim.OptimizerConfig)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     objective: ObjectiveSection = dataclasses.field(default_factory=ObjectiveSection)
-    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    train: trainer.TrainConfig = dataclasses.field(                     # the one run config's train section
+        default_factory=lambda: trainer.TrainConfig(steps=300, global_batch_size=16, log_every=50))
     init: InitSection = dataclasses.field(default_factory=InitSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
 
@@ -260,7 +248,7 @@ def train_model(recipe: BlockRecipe, loss_fn: BlockLoss, examples, init_params, 
         return block_rag.collate([examples[i][0] for i in idx], recipe.data.seq_len)
 
     run_cfg = trainer.RunConfig(model=recipe.model, mesh=recipe.mesh, optimizer=recipe.optimizer,
-                                train=trainer.TrainConfig(**dataclasses.asdict(tc)))
+                                train=tc)
     task = trainer.Task(loss_fn, batch, name=name, global_batch_size=tc.global_batch_size,
                         progress_keys=("loss_full", "loss_block"))
     result = trainer.run(run_cfg, task, init_params=init_params)

@@ -44,7 +44,7 @@ from rag_jax.tokenizer import train_bpe
 from rag_jax.train import optim, trainer
 from rag_jax.train.objectives.grit import GritConfig, GritLoss
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "grit_cpu.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "train" / "configs" / "grit_cpu.yaml"
 MODES = ("unified", "embedding", "generative")
 
 

@@ -14,7 +14,7 @@ from rag_jax.evaluation.tables import table
 def plots(history: list[dict], ttft: list[dict], out: Path) -> dict[str, str]:
     """``loss.png`` (training curves) and ``ttft.png`` (full vs cached prefill) in ``out``; ``{name: path}``."""
     files = {}
-    if history:             # the real-model track (``rag_jax.demo.real_model``) trains nothing
+    if history:             # the real-model track (``rag_jax.recipes.rag_demo.real_model``) trains nothing
         steps = [h["step"] for h in history]
         losses = (("loss", "total (L_Rep + λ·L_Gen)"), ("loss_rep", "GRIT L_Rep (contrastive)"),
                   ("loss_full", "Block-Attention loss, full pass"), ("loss_block", "Block-Attention loss, block pass"))

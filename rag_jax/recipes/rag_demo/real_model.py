@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from rag_jax import config as config_lib
 from rag_jax.data.chat_blocks import ChatBlocks, PASSAGE
 from rag_jax.data.phantom_rag import prepare_data
-from rag_jax.demo.config import DemoConfig
-from rag_jax.demo.report import check_output_dir, plots, write_report
+from rag_jax.recipes.rag_demo.config import DemoConfig
+from rag_jax.recipes.rag_demo.report import check_output_dir, plots, write_report
 from rag_jax.evaluation.rag import (bm25_eval, generate_answers, mean_scores, per_question, prompt_passages,
                                     retrieval_eval, score_answer, ttft_curve)
 from rag_jax.evaluation.timing import StageTimer

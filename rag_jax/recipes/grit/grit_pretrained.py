@@ -86,7 +86,7 @@ from rag_jax.data.grit import ChatGritFormat, GritDataConfig, grit_batches, toke
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
 from rag_jax.data.chat_blocks import INSTRUCTION as ANSWER_INSTRUCTION, PASSAGE, QUESTION, ChatBlocks
 from rag_jax.args import ScriptParser, input_file, integer, model_source, names, output_file, real
-from rag_jax.evaluation.grit_eval import answer_window
+from rag_jax.recipes.grit.grit_eval import answer_window
 from rag_jax.evaluation.rag import complete_replies, greedy_replies, memo_json
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import StageTimer
@@ -178,7 +178,7 @@ def hard_negatives(scores: np.ndarray, gold: Sequence[int], excluded: Sequence[s
 
 
 def oracle_prompt(question: str, passage: str) -> str:
-    """The user message of the demo's RAG prompt (``rag_jax.demo.real_model``) with one passage."""
+    """The user message of the demo's RAG prompt (``rag_jax.recipes.rag_demo.real_model``) with one passage."""
     return ANSWER_INSTRUCTION + PASSAGE.format(text=passage.strip()) + QUESTION.format(question=question)
 
 

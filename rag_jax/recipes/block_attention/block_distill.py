@@ -8,7 +8,7 @@ log-likelihood (nats, summed over its tokens, end of turn excluded) under full a
 same model, paired per row: one forward, no generation, so hundreds of rows fit a CPU budget and a small
 difference is visible (Wilcoxon signed-rank p and a 95% interval on the mean paired difference).
 
-Fine-tuning (``--steps``; ``rag_jax.train.block_distill``): training questions built the same way (with
+Fine-tuning (``--steps``; ``rag_jax.recipes.block_attention.distill``): training questions built the same way (with
 ``--train-passages`` passages), the top ``--top-layers`` layers trained to match, in block attention, the base
 model's full-attention next-token distributions at every position of the question, template and answer
 (``objectives.block_distill``; ``--full-weight`` also distills the full-attention pass). The answer is the first
@@ -47,7 +47,7 @@ from rag_jax.atomic import write_text
 from rag_jax.data.chat_blocks import ChatBlocks
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
 from rag_jax.args import ScriptParser, input_file, integer, model_source, names, output_file, real
-from rag_jax.evaluation.block_nq import heldout_split, mine_negatives, own_reply_examples, training_examples
+from rag_jax.recipes.block_attention.block_nq import heldout_split, mine_negatives, own_reply_examples, training_examples
 from rag_jax.evaluation.rag import generate_answers, memo_json, score_answer
 from rag_jax.evaluation.stats import mcnemar, paired_difference
 from rag_jax.evaluation.tables import table
@@ -58,7 +58,7 @@ from rag_jax.model.delta import apply_delta, low_rank_delta, relative_error, sav
 from rag_jax.model.load import load_model
 from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
 from rag_jax.retrieval.exact import ExactIndex
-from rag_jax.train.block_distill import (DistillConfig, DistillFeatures, answer_loglik, answer_logprobs, distill,
+from rag_jax.recipes.block_attention.distill import (DistillConfig, DistillFeatures, answer_loglik, answer_logprobs, distill,
                                          export_hf, target_positions)
 from rag_jax.train.frozen_bottom import split_model
 
