@@ -17,7 +17,7 @@ from rag_jax.tokenizer import byte_tokenizer
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.load import LoadedModel, load_model
 from rag_jax.train import optim, step as step_lib
-from rag_jax.recipes.block_attention.finetune import BlockFinetuneConfig, finetune, top_layers
+from rag_jax.train.finetune import FinetuneConfig, finetune, top_layers
 from rag_jax.train.objectives.block import MixedBlockLoss
 
 CFG = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2, num_kv_heads=1,
@@ -96,7 +96,7 @@ def _tiny_chat_model(seed: int) -> LoadedModel:
 def test_finetune_writes_a_run_folder_that_loads_and_resumes(tmp_path):
     base = _tiny_chat_model(int(np.random.default_rng().integers(1 << 30)))
     examples = _examples(1, n=8)
-    cfg = BlockFinetuneConfig(steps=2, batch_size=4, seq_len=48, train_layers=1, learning_rate=1e-2,
+    cfg = FinetuneConfig(steps=2, batch_size=4, seq_len=48, train_layers=1, learning_rate=1e-2,
                               warmup_steps=0, save_every=1, log_every=1)
     base_params = _leaves(nnx.state(base.model, nnx.Param))
     result = finetune(base, examples, cfg, tmp_path / "run", extra_config={"data": {"n": 8}})
@@ -208,3 +208,32 @@ def test_own_reply_targets_are_the_base_models_complete_greedy_replies(tmp_path)
     assert out == expected
     again = block_nq.own_reply_examples(dataclasses.replace(loaded, model=None), rows, **args)  # no model: cache only
     assert again == expected
+
+
+def test_full_mode_is_response_sft_under_causal_attention(tmp_path):
+    """``modes="full"``: ``batch_size`` rows per step, all in full attention; the first step's loss is the
+    token-mean NLL of the responses under causal attention of the base model (float64 reference from the
+    model's logits of each example alone), and no block-mode loss is counted."""
+    base = _tiny_chat_model(int(np.random.default_rng().integers(1 << 30)))
+    examples = _examples(int(np.random.default_rng().integers(1 << 30)), n=8)
+    cfg = FinetuneConfig(steps=1, batch_size=8, seq_len=48, train_layers=1, learning_rate=1e-2, warmup_steps=0,
+                         save_every=1, log_every=1, modes="full")
+    result = finetune(base, examples, cfg, tmp_path / "run")
+    nll, count = 0.0, 0
+    for ex in examples:
+        tokens = np.asarray([t for b in ex.blocks for t in b] + list(ex.response), np.int32)
+        n = len(tokens)
+        hidden = base.model(tokens[None], np.arange(n, dtype=np.int32)[None], np.ones((1, n), np.int32),
+                            mode="causal").hidden
+        logits = np.asarray(base.model.logits(hidden), np.float64)[0]
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        start = n - len(ex.response)
+        nll -= sum(logp[t - 1, tokens[t]] for t in range(start, n))
+        count += len(ex.response)
+    first = result.history[0]
+    np.testing.assert_allclose(first["loss"], nll / count, rtol=2e-5)
+    np.testing.assert_allclose(first["loss_full"], nll / count, rtol=2e-5)
+    assert first["loss_block"] == 0.0
+    with pytest.raises(ValueError, match="finetune modes='block'; valid: full\\+block, full"):
+        FinetuneConfig(modes="block")

@@ -43,7 +43,7 @@ from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import cpu_threads, median_ms
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.train import optim
-from rag_jax.recipes.block_attention.finetune import top_layers
+from rag_jax.train.finetune import top_layers
 
 
 def _median_seconds(fn, warmup: int, iters: int) -> float:

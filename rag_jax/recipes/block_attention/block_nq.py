@@ -12,7 +12,7 @@ setting (Liu et al., TACL 2024):
   own gold passage and any passage that contains an answer; the gold passage is put at each of ``--positions``;
 - prompt: the model's chat template, one block per passage (``rag_jax.data.chat_blocks.ChatBlocks``);
 - answers: greedy; score = best-subspan EM (an answer occurs in the reply, as Lost in the Middle);
-- fine-tuning (``--finetune-steps``, ``rag_jax.recipes.block_attention.finetune``): training questions with the gold
+- fine-tuning (``--finetune-steps``, ``rag_jax.train.finetune``): training questions with the gold
   passage at a random position among their MiniLM hard negatives, as many as fit ``--train-seq-len`` tokens
   (at most ``--train-passages``), response = the first gold answer + end of turn; the 1:1 full/block mixed
   batch, loss on the answer tokens; the top ``--train-layers`` layers trained. The tuned model is a run folder
@@ -66,7 +66,7 @@ from rag_jax.metrics import best_subspan_em
 from rag_jax.model.load import load_model
 from rag_jax.retrieval.embedders import BertEmbedder, embed_texts
 from rag_jax.retrieval.exact import ExactIndex
-from rag_jax.recipes.block_attention.finetune import BlockFinetuneConfig, finetune
+from rag_jax.train.finetune import FinetuneConfig, finetune
 
 
 MODES = ("full", "block")
@@ -176,8 +176,8 @@ def main(argv=None) -> int:
                    help="attention modes evaluated, comma-separated (e.g. block: only the block rows)")
     p.add_argument("--cache", type=output_file, default=None, help="npz to reuse/store the MiniLM pool embeddings")
     p.add_argument("--out", type=output_file, default=None, help="JSON output (rewritten after every condition)")
-    ft = p.add_argument_group("Block-Attention fine-tuning (rag_jax.recipes.block_attention.finetune); off unless --finetune-steps")
-    d = BlockFinetuneConfig()
+    ft = p.add_argument_group("Block-Attention fine-tuning (rag_jax.train.finetune); off unless --finetune-steps")
+    d = FinetuneConfig()
     ft.add_argument("--finetune-steps", type=integer(0), default=0, help="optimizer steps; 0 = evaluate --model only")
     ft.add_argument("--run-dir", type=Path, default=Path("runs/block_nq_ft"),
                     help="run folder of the tuned model (resumed if present; --model accepts it)")
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     if any(x >= args.num_passages for x in positions):
         p.error(f"argument --positions: {positions} must lie in [0, --num-passages={args.num_passages})")
     args.train_passages = args.num_passages if args.train_passages is None else args.train_passages
-    finetune_cfg = (BlockFinetuneConfig(steps=args.finetune_steps, batch_size=args.train_batch,
+    finetune_cfg = (FinetuneConfig(steps=args.finetune_steps, batch_size=args.train_batch,
                                         seq_len=args.train_seq_len, train_layers=args.train_layers,
                                         learning_rate=args.lr, warmup_steps=args.warmup, seed=args.seed,
                                         save_every=max(1, min(10, args.finetune_steps)))

@@ -1,5 +1,5 @@
 """Long-context retrieval with a real pretrained model past (and within) its trained context: EM-LLM variants vs
-InfLLM blocks vs sliding window vs full attention, on three tasks (``--task``).
+InfLLM blocks vs sliding window vs full attention, on the tasks of ``--task``.
 
 Any model ``rag_jax.model.load.load_model`` reads (embedded name such as ``smollm2-135m-instruct``, ``.gguf``
 file, HF folder, run folder). Prompts go under the model's chat template (ChatML for SmolLM2) when it has one,
@@ -12,6 +12,11 @@ with the assistant's reply started by a prefix; greedy decoding.
   text, digits included). Correct when the first number of the reply is the key.
 - ``kv``: the shared KV-retrieval file (``../shared/data/lost_in_the_middle``, 75 UUID pairs, ~5.4K SmolLM2
   tokens; ``--lengths`` ignored); reply prefix ``"KEY": "``; correct when the reply contains the value.
+- ``passkey_once``: the key stated once ("The secret code is NNNNN."), the question "What is the secret code?
+  Reply with the number only.", no reply prefix (issue 30's natural-filler variant with ``--filler phantom``).
+- RULER-style tasks (``rag_jax.data.ruler``; scored by the fraction of expected strings in the reply):
+  ``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``niah_multiquery``, ``vt``, ``cwe``, ``fwe``; the
+  haystack ones over ``--filler``.
 - ``haystack``: "needle in a real haystack": a 1-hop PhantomWiki attribute question (occupation, hobby, date of
   birth) whose answer sits in one article among the other articles of its generated universe; reply prefix
   "The hobby of X is"; correct when the reply contains the value.
@@ -59,6 +64,7 @@ import numpy as np
 
 from rag_jax.atomic import write_text
 from rag_jax.data.loaders import load_kv_retrieval
+from rag_jax.data import ruler
 from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
 from rag_jax.args import ScriptParser, input_file, integer, model_source, output_file
 from rag_jax.recipes.em_llm.passkey import (EM_VARIANTS, FILLER, KV_FILE, METHODS as PASSKEY_METHODS, kv_prompt,
@@ -74,9 +80,16 @@ EM_CONFIG = Path(__file__).resolve().parents[3] / "train" / "configs" / "em_llm_
 METHODS = ("em_llm", "em_llm_contiguous", "em_llm_refine", "em_llm_contiguity", "inf_llm", "sliding", "full")
 assert set(METHODS) <= set(PASSKEY_METHODS + EM_VARIANTS)
 FILLERS = ("repeat", "phantom")
-TASKS = ("passkey", "kv", "haystack")
-TASK_NAMES = {"passkey": "Passkey", "kv": "KV retrieval (75 keys)", "haystack": "PhantomWiki haystack (1-hop)"}
-MAX_NEW_TOKENS = {"passkey": 8, "kv": 40, "haystack": 16}
+TASKS = ("passkey", "passkey_once", "kv", "haystack", *ruler.TASKS)
+TASK_NAMES = {"passkey": "Passkey", "passkey_once": "Passkey stated once, no reply prefix",
+              "kv": "KV retrieval (75 keys)", "haystack": "PhantomWiki haystack (1-hop)",
+              "niah_single": "RULER NIAH single", "niah_multikey": "RULER NIAH multi-key",
+              "niah_multivalue": "RULER NIAH multi-value", "niah_multiquery": "RULER NIAH multi-query",
+              "vt": "RULER variable tracking", "cwe": "RULER common words", "fwe": "RULER frequent words"}
+MAX_NEW_TOKENS = {"passkey": 8, "passkey_once": 24, "kv": 40, "haystack": 16, "niah_single": 16,
+                  "niah_multikey": 16, "niah_multivalue": 48, "niah_multiquery": 48, "vt": 32, "cwe": 64, "fwe": 24}
+ONCE_NEEDLE = "The secret code is {key}. "
+ONCE_QUESTION = "\n\nWhat is the secret code? Reply with the number only."
 INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
                "I will quiz you about the pass key.\n\n")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
@@ -144,6 +157,8 @@ class Prompt:
       tag: the prompt's identity within its length (passkey key, KV key, haystack question).
       evidence: int64 token indices holding the answer in the context (diagnostics).
       prefix: the assistant reply prefix already in ``ids``.
+      answers: every expected string of a RULER task (``rag_jax.data.ruler.score``; ``answer`` joins them);
+        empty for the single-answer tasks.
     """
 
     ids: np.ndarray
@@ -152,6 +167,7 @@ class Prompt:
     tag: str
     evidence: np.ndarray
     prefix: str
+    answers: tuple[str, ...] = ()
 
 
 def _char_tokens(enc, spans) -> np.ndarray:
@@ -231,6 +247,49 @@ def haystack_prompts(loaded, length: int, samples: int, seed: int) -> list[Promp
     return out
 
 
+def passkey_once_prompts(loaded, length: int, samples: int, seed: int, filler: str) -> list[Prompt]:
+    """``samples`` passkey prompts in which the key is stated once ("The secret code is NNNNN.") and the reply has
+    no prefix: the instruction-free needle of issue 30 (with ``filler="phantom"``, a fact stated once in prose).
+    Keys at depths ``(i + 0.5) / samples``; correct when the reply's first number is the key."""
+    rng = np.random.default_rng([seed, length, 1])
+    sentences = filler_sentences(filler, seed)
+    out = []
+    for i in range(samples):
+        key, depth = str(rng.integers(10000, 100000)), (i + 0.5) / samples
+        needle = ONCE_NEEDLE.format(key=key)
+
+        def build(count: int):
+            picked = [sentences[j % len(sentences)] for j in range(count)]
+            cut = int(round(depth * count))
+            return _encode(loaded, "".join(picked[:cut]) + needle + "".join(picked[cut:]) + ONCE_QUESTION, "")
+
+        enc = build(_fit(build, length, tokens_per_piece=4))
+        at = enc.text.index(needle) + needle.index(key)
+        out.append(Prompt(np.asarray(enc.ids, np.int32), key, depth, key, _char_tokens(enc, [(at, at + len(key))]), ""))
+    return out
+
+
+def ruler_prompts(loaded, task: str, length: int, samples: int, seed: int, filler: str) -> list[Prompt]:
+    """``samples`` RULER-style prompts of ``task`` (``rag_jax.data.ruler``) of about ``length`` tokens, the asked
+    needle at depth ``(i + 0.5) / samples`` (haystack tasks); prompt ``i`` is drawn from seed ``[seed, i]`` and
+    only its amount of filler depends on ``length``."""
+    sentences = filler_sentences(filler, seed)
+    per_unit = {"cwe": 4, "fwe": 4}.get(task, 8)
+    out = []
+    for i in range(samples):
+        depth = (i + 0.5) / samples
+
+        def build(count: int, i=i, depth=depth):
+            item = ruler.make_item(task, [seed, i], max(count, 1), sentences, depth)
+            return _encode(loaded, item.context + item.question, item.prefix), item
+
+        enc, item = build(_fit(lambda c: build(c)[0], length, tokens_per_piece=per_unit))
+        spans = [(enc.text.index(e), enc.text.index(e) + len(e)) for e in item.evidence if e in enc.text]
+        out.append(Prompt(np.asarray(enc.ids, np.int32), ", ".join(item.answers), item.depth, f"{task}:{i}",
+                          _char_tokens(enc, spans), item.prefix, item.answers))
+    return out
+
+
 def _fit(build, length: int, tokens_per_piece: int) -> int:
     """The count of filler pieces for which ``build(count)`` (an ``Encoded`` prompt) is about ``length`` tokens:
     a first guess from ``tokens_per_piece``, then three rescales (pieces alone tokenize differently from the
@@ -247,10 +306,17 @@ def _fit(build, length: int, tokens_per_piece: int) -> int:
     return count
 
 
+def score(task: str, reply: str, prompt: Prompt) -> float:
+    """The prompt's score in [0, 1]: RULER's fraction of expected strings found for its tasks, else ``correct``."""
+    if prompt.answers:
+        return ruler.score(reply, prompt.answers)
+    return float(correct(task, reply, prompt.answer))
+
+
 def correct(task: str, reply: str, answer: str) -> bool:
     """Passkey: the first number of the reply is the key; KV and haystack: the reply contains the answer
     (case-insensitive for the haystack's words)."""
-    if task == "passkey":
+    if task in ("passkey", "passkey_once"):
         return first_number(reply) == answer
     if task == "kv":
         return answer in reply
@@ -296,6 +362,10 @@ def make_prompts(loaded, task: str, length: int, samples: int, seed: int, filler
     """The prompts of one task and length (``kv``: the file's examples, whatever ``length``)."""
     if task == "passkey":
         return passkey_prompts(loaded, length, samples, seed, filler)
+    if task == "passkey_once":
+        return passkey_once_prompts(loaded, length, samples, seed, filler)
+    if task in ruler.TASKS:
+        return ruler_prompts(loaded, task, length, samples, seed, filler)
     if task == "kv":
         return kv_prompts(loaded, samples, seed)
     if task == "haystack":
@@ -342,9 +412,10 @@ def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, 
                     out = em.generate(prompt.ids, max_new_tokens, eos_id=loaded.eos_ids)
                 seconds = time.perf_counter() - t0
                 reply = tok.decode(out)
+                value = score(task, reply, prompt)
                 row = {"method": method, "length": length, "tokens": int(len(prompt.ids)), "depth": prompt.depth,
-                       "key": prompt.tag, "answer": prompt.answer, "reply": reply,
-                       "correct": correct(task, reply, prompt.answer), "seconds": seconds}
+                       "key": prompt.tag, "answer": prompt.answer, "reply": reply, "score": value,
+                       "correct": value == 1.0, "seconds": seconds}
                 if with_diagnostics and cfg is not None:
                     row["diagnostics"] = diagnose(loaded, cfg, prompt)
                 results.append(row)
@@ -356,18 +427,19 @@ def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, 
 
 
 def accuracy(report: dict) -> dict[str, dict[int, tuple[int, int]]]:
-    """``{method: {length: (correct, prompts)}}`` in first-seen method order, lengths ascending."""
+    """``{method: {length: (score sum, prompts)}}`` in first-seen method order, lengths ascending (a prompt's score is
+    1/0 for the single-answer tasks and RULER's fraction of expected strings for its tasks)."""
     out: dict = {}
     for r in sorted(report["results"], key=lambda r: r["length"]):
         hit, total = out.setdefault(r["method"], {}).get(r["length"], (0, 0))
-        out[r["method"]][r["length"]] = (hit + bool(r["correct"]), total + 1)
+        out[r["method"]][r["length"]] = (hit + r.get("score", float(r["correct"])), total + 1)
     return out
 
 
 def plot(report: dict, path: Path) -> str:
     """Accuracy vs length per method (PNG at ``path``)."""
     task = report.get("task", "passkey")
-    what = f"Passkey ({report['filler']} filler)" if task == "passkey" else TASK_NAMES[task]
+    what = f"{TASK_NAMES[task]} ({report['filler']} filler)" if task not in ("kv", "haystack") else TASK_NAMES[task]
     series = [(list(acc), [100.0 * h / n for h, n in acc.values()], method)
               for method, acc in accuracy(report).items()]
     return line_plot(path, series, xlabel="prompt length (tokens)", ylabel="accuracy (%)",
@@ -380,7 +452,7 @@ def summary_table(report: dict) -> str:
     lengths = sorted({r["length"] for r in rows})
     out = []
     for m, per_length in acc.items():
-        cells = [f"{per_length[n][0]}/{per_length[n][1]}" if n in per_length else "-" for n in lengths]
+        cells = [f"{per_length[n][0]:g}/{per_length[n][1]}" if n in per_length else "-" for n in lengths]
         speed = [r["tokens"] / r["seconds"] for r in rows if r["method"] == m]
         out.append([m, *cells, float(np.median(speed))])
     return table(["method", *(f"{n:,}" for n in lengths), "median tok/s (incl. decode)"], out, floatfmt=",.0f")
@@ -396,7 +468,8 @@ def main(argv=None) -> int:
     p.add_argument("--task", default="passkey", choices=TASKS,
                    help="passkey; kv (the shared 75-key KV-retrieval file, --lengths ignored); haystack (PhantomWiki "
                         "attribute question, its article among others)")
-    p.add_argument("--filler", default="repeat", choices=FILLERS, help="passkey filler")
+    p.add_argument("--filler", default="repeat", choices=FILLERS,
+                   help="filler of the passkey and RULER haystack tasks (phantom: PhantomWiki articles)")
     p.add_argument("--max-new-tokens", type=integer(1), default=None,
                    help=f"reply tokens (default {MAX_NEW_TOKENS}: room for each task's answer)")
     p.add_argument("--em-config", type=input_file, default=str(EM_CONFIG))
@@ -433,7 +506,8 @@ def main(argv=None) -> int:
                  max_new_tokens=args.max_new_tokens or MAX_NEW_TOKENS[args.task], with_diagnostics=args.diagnose,
                  done=done, on_row=save if args.out else None, task=args.task)
     report["model"] = str(args.model)
-    what = f"Passkey ({args.filler} filler)" if args.task == "passkey" else TASK_NAMES[args.task]
+    what = f"{TASK_NAMES[args.task]} ({args.filler} filler)" if args.task not in ("kv", "haystack") else \
+        TASK_NAMES[args.task]
     print(f"\n{what}, model {args.model} (trained context {loaded.config.max_seq_len}); "
           "correct / prompts")
     print(summary_table(report))

@@ -1,9 +1,12 @@
-"""Block-Attention fine-tuning of a pretrained chat model with the one trainer (``trainer.run``).
+"""Supervised fine-tuning of a pretrained chat model on prompts with responses, with the one trainer
+(``trainer.run``): loss on the response tokens only.
 
-Block-Attention (Ma, Wang, Lan, ICLR 2025, §2.4; research note ``shared/research/block_attention.md`` §1.4):
-the v5 recipe trains every sample once in full and once in block attention, loss on the response only. Here a
-step is the mixed batch of ``batch_size`` examples (``block_rag.mixed_batch``: ``2 * batch_size`` rows, one
-model call, ``objectives.block.MixedBlockLoss``). For a CPU budget only the top ``train_layers`` decoder
+``modes="full+block"`` is Block-Attention fine-tuning (Ma, Wang, Lan, ICLR 2025, §2.4; research note
+``shared/research/block_attention.md`` §1.4): the v5 recipe trains every sample once in full and once in block
+attention. A step is then the mixed batch of ``batch_size`` examples (``block_rag.mixed_batch``: ``2 *
+batch_size`` rows, one model call, ``objectives.block.MixedBlockLoss``). ``modes="full"`` trains full attention
+only (``batch_size`` rows, every token global): plain SFT, e.g. on the synthetic retrieval prompts of Artificial
+Needles (``rag_jax.data.needles``, Xiong et al., ICLR 2025, §3: loss on the answer only). For a CPU budget only the top ``train_layers`` decoder
 layers and the final norm are trained (``optimizer.trainable``; the embedding, tied to the output head, and
 the lower layers stay frozen bit-exactly and no backward pass runs through them); ``train_layers=0`` trains
 every parameter (the paper's full fine-tuning, for an accelerator).
@@ -19,18 +22,22 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from rag_jax.data.block_rag import BlockExample, mixed_batch
+from rag_jax.data.block_rag import BlockExample, collate, mixed_batch
 from rag_jax.data.pipeline import DataConfig
 from rag_jax.model.load import chat_section
 from rag_jax.train import checkpoint, optim, trainer
 from rag_jax.train.objectives.block import MixedBlockLoss
 
 
+MODES = ("full+block", "full")
+
+
 @dataclasses.dataclass(frozen=True)
-class BlockFinetuneConfig:
+class FinetuneConfig:
     """Attributes:
       steps: optimizer steps.
-      batch_size: examples per step (the mixed batch has twice as many rows: full and block).
+      batch_size: examples per step (with ``modes="full+block"`` the batch has twice as many rows).
+      modes: ``"full+block"`` (Block-Attention's 1:1 mix) or ``"full"`` (full attention only).
       seq_len: row length in tokens (every example must fit; one compiled shape).
       train_layers: top decoder layers trained, with the final norm; 0 = every parameter.
       learning_rate, warmup_steps: AdamW peak rate (cosine decay to 10%) and linear warmup; no weight decay.
@@ -48,8 +55,11 @@ class BlockFinetuneConfig:
     seed: int = 0
     save_every: int = 50
     log_every: int = 1
+    modes: str = "full+block"
 
     def __post_init__(self):
+        if self.modes not in MODES:
+            raise ValueError(f"finetune modes={self.modes!r}; valid: {', '.join(MODES)}")
         for name in ("steps", "batch_size", "seq_len", "save_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"finetune {name}={getattr(self, name)} must be >= 1")
@@ -67,7 +77,7 @@ def top_layers(num_layers: int, n: int) -> str | None:
     return f"^(layers/({'|'.join(str(i) for i in range(num_layers - n, num_layers))})/|final_norm/)"
 
 
-def finetune(loaded, examples: Sequence[BlockExample], cfg: BlockFinetuneConfig, run_dir: str | os.PathLike, *,
+def finetune(loaded, examples: Sequence[BlockExample], cfg: FinetuneConfig, run_dir: str | os.PathLike, *,
              extra_config: dict | None = None, hooks: Sequence[Callable] = ()):
     """Fine-tune ``loaded`` (``rag_jax.model.load.LoadedModel``) on ``examples`` into the run folder ``run_dir``.
 
@@ -101,19 +111,25 @@ def finetune(loaded, examples: Sequence[BlockExample], cfg: BlockFinetuneConfig,
     window = max(len(ex.response) for ex in examples) + 1
     order = np.random.default_rng(cfg.seed).permutation(len(examples))
 
+    rows = 2 * cfg.batch_size if cfg.modes == "full+block" else cfg.batch_size
+
     def batch(step: int) -> dict[str, np.ndarray]:
         idx = [order[(step * cfg.batch_size + i) % len(order)] for i in range(cfg.batch_size)]
-        return mixed_batch([examples[i] for i in idx], cfg.seq_len)
+        if cfg.modes == "full+block":
+            return mixed_batch([examples[i] for i in idx], cfg.seq_len)
+        full = collate([examples[i] for i in idx], cfg.seq_len)
+        return {**full, "is_global": full["segment_ids"] > 0}
 
     run_cfg = trainer.RunConfig(
         model=loaded.config, data=DataConfig(seq_len=cfg.seq_len),
         optimizer=optim.OptimizerConfig(learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
                                         weight_decay=0.0, trainable=top_layers(loaded.config.num_layers,
                                                                                cfg.train_layers)),
-        train=trainer.TrainConfig(steps=cfg.steps, global_batch_size=2 * cfg.batch_size, seed=cfg.seed,
+        train=trainer.TrainConfig(steps=cfg.steps, global_batch_size=rows, seed=cfg.seed,
                                   log_every=cfg.log_every, run_dir=str(run_dir)),
         checkpoint=checkpoint.CheckpointConfig(save_every=cfg.save_every, keep=1))
-    task = trainer.Task(MixedBlockLoss(response_window=window), batch, name="Block-Attention fine-tuning",
+    name = "Block-Attention fine-tuning" if cfg.modes == "full+block" else "fine-tuning"
+    task = trainer.Task(MixedBlockLoss(response_window=window), batch, name=name,
                         tokenizer=loaded.tokenizer, progress_keys=("loss_full", "loss_block"))
     extra = {"chat": chat_section(loaded), "finetune": dataclasses.asdict(cfg), **(extra_config or {})}
     return trainer.run(run_cfg, task, init_params=nnx.state(loaded.model, nnx.Param), hooks=hooks,
