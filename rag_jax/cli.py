@@ -27,6 +27,7 @@ EVALS = {
     "grit_eval": "rag_jax.recipes.grit.grit_eval",
     "grit_pretrained": "rag_jax.recipes.grit.grit_pretrained",
     "long_context": "rag_jax.recipes.em_llm.long_context",
+    "needles": "rag_jax.recipes.needles.needles",
     "passkey": "rag_jax.recipes.em_llm.passkey",
     "rag_qa": "rag_jax.evaluation.rag_qa",
     "retrieval_nq": "rag_jax.evaluation.retrieval_nq",

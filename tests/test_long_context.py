@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from rag_jax.tokenizer import byte_tokenizer
-from rag_jax.recipes.em_llm import long_context
+from rag_jax.recipes.em_llm import long_context, tasks
 from rag_jax.memory import EMLLM, EMLLMConfig
 from rag_jax.model import ModelConfig, Transformer
 from rag_jax.model.load import LoadedModel
@@ -60,8 +60,8 @@ def test_long_context_run_and_table(tmp_path: Path):
     rng = np.random.default_rng(3)
     loaded = LoadedModel(config=CFG, model=_model(int(rng.integers(1000))), arch="llama", tokenizer=byte_tokenizer(),
                          chat_template=None, eos_ids=(), special_tokens={}, source=tmp_path)
-    sentences = long_context.filler_sentences("repeat")
-    ids, key_tokens = long_context.passkey_prompt(loaded, sentences, 400, 0.5, "12345")
+    sentences = tasks.filler_sentences("repeat")
+    ids, key_tokens = tasks.passkey_prompt(loaded, sentences, 400, 0.5, "12345")
     assert abs(len(ids) - 400) <= 30
     assert loaded.tokenizer.decode(ids[key_tokens].tolist()) == "1234512345"
     base = EMLLMConfig(n_init=4, n_local=64, n_mem=64, chunk_size=32, min_block_size=4, max_block_size=16,
@@ -101,7 +101,7 @@ def _loaded(tmp_path):   # prompts only: no model
 
 def test_haystack_prompts_place_the_article_and_mark_the_fact(tmp_path):
     loaded = _loaded(tmp_path)
-    prompts = long_context.haystack_prompts(loaded, 6000, 3, seed=4)
+    prompts = tasks.haystack_prompts(loaded, 6000, 3, seed=4)
     assert [p.depth for p in prompts] == [1 / 6, 1 / 2, 5 / 6]
     for p in prompts:
         text = loaded.tokenizer.decode(p.ids.tolist())
@@ -110,8 +110,8 @@ def test_haystack_prompts_place_the_article_and_mark_the_fact(tmp_path):
         assert fact == f"{p.prefix} {p.answer}."                              # the one sentence stating it
         assert text.count(fact) == 1
         assert abs(text.index(fact) / len(text) - p.depth) < 0.15           # ~11 articles: coarse depths
-    assert long_context.correct("haystack", " Woodturning, I think.", "woodturning")
-    assert not long_context.correct("haystack", " chess", "woodturning")
+    assert tasks.correct("haystack", " Woodturning, I think.", "woodturning")
+    assert not tasks.correct("haystack", " chess", "woodturning")
 
 
 def test_kv_prompts_mark_the_gold_pair(tmp_path):
@@ -119,12 +119,12 @@ def test_kv_prompts_mark_the_gold_pair(tmp_path):
     if not KV_FILE.exists():
         pytest.skip(f"{KV_FILE} absent (shared data)")
     loaded = _loaded(tmp_path)
-    (p,) = long_context.kv_prompts(loaded, 1, seed=2)
+    (p,) = tasks.kv_prompts(loaded, 1, seed=2)
     text = loaded.tokenizer.decode(p.ids.tolist())
     assert text.endswith(p.prefix) and p.prefix == f'"{p.tag}": "'
     assert loaded.tokenizer.decode(p.ids[p.evidence].tolist()) == f'"{p.tag}": "{p.answer}"'
-    assert long_context.correct("kv", f'{p.answer}"}}', p.answer) and not long_context.correct("kv", "x", p.answer)
-    assert long_context.correct("passkey", " 12345.", "12345") and not long_context.correct("passkey", " 1234", "12345")
+    assert tasks.correct("kv", f'{p.answer}"}}', p.answer) and not tasks.correct("kv", "x", p.answer)
+    assert tasks.correct("passkey", " 12345.", "12345") and not tasks.correct("passkey", " 1234", "12345")
 
 
 def test_full_attention_reply_may_run_past_the_trained_context(tmp_path):

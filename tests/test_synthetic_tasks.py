@@ -116,10 +116,10 @@ def test_ruler_errors_and_score():
 @pytest.mark.parametrize("task", ruler.TASKS + ("passkey_once",))
 def test_long_context_prompts_of_the_new_tasks(task, tmp_path):
     from test_long_context import _loaded
-    from rag_jax.recipes.em_llm import long_context
+    from rag_jax.recipes.em_llm import tasks
 
     loaded = _loaded(tmp_path)
-    prompts = long_context.make_prompts(loaded, task, 1500, 2, seed=3, filler="repeat")
+    prompts = tasks.make_prompts(loaded, task, 1500, 2, seed=3, filler="repeat")
     assert [p.depth for p in prompts][:1] and len(prompts) == 2
     for p in prompts:
         text = loaded.tokenizer.decode(p.ids.tolist())
@@ -129,7 +129,7 @@ def test_long_context_prompts_of_the_new_tasks(task, tmp_path):
         if task == "passkey_once":
             assert text.count(p.answer) == 1 and p.prefix == ""
             assert loaded.tokenizer.decode(p.ids[p.evidence].tolist()) == p.answer
-            assert long_context.score(task, f" {p.answer}", p) == 1.0
+            assert tasks.score(task, f" {p.answer}", p) == 1.0
         else:
-            assert long_context.score(task, " ".join(p.answers), p) == 1.0
-            assert long_context.score(task, "", p) == 0.0
+            assert tasks.score(task, " ".join(p.answers), p) == 1.0
+            assert tasks.score(task, "", p) == 0.0

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     p.add_argument("--filler", default="repeat", choices=("repeat", "phantom"))
     p.add_argument("--out", type=output_file, required=True)
     args = p.parse_args(argv)
-    from rag_jax.recipes.em_llm.long_context import passkey_prompts
+    from rag_jax.recipes.em_llm.tasks import passkey_prompts
     from rag_jax.model.load import load_model
 
     loaded = load_model(args.model)

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from rag_jax.recipes.em_llm import long_context
+from rag_jax.recipes.em_llm import long_context, tasks
 from rag_jax.args import ScriptParser, input_file, integer, model_source
 from rag_jax.recipes.em_llm.passkey import method_config
 from rag_jax.evaluation.tables import table
@@ -55,10 +55,10 @@ def _stream_inputs(args):
     """(model, base EMLLMConfig, tokens(length) -> int32 [length])."""
     if args.model:
         loaded = load_model(args.model)
-        sentences = long_context.filler_sentences("repeat")
+        sentences = tasks.filler_sentences("repeat")
 
         def tokens(length):
-            return long_context.passkey_prompt(loaded, sentences, length, 0.5, "71432")[0][:length]
+            return tasks.passkey_prompt(loaded, sentences, length, 0.5, "71432")[0][:length]
         return loaded.model, EMLLMConfig.from_yaml(args.em_config or long_context.EM_CONFIG), tokens
     mcfg = ModelConfig.preset(args.preset, vocab_size=256)
     rng = np.random.default_rng(0)

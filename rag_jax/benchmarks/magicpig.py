@@ -34,7 +34,7 @@ import numpy as np
 
 from rag_jax.atomic import write_text
 from rag_jax.args import ScriptParser, int_list, integer, model_source, output_file
-from rag_jax.recipes.em_llm.long_context import correct, passkey_prompts
+from rag_jax.recipes.em_llm.tasks import correct, passkey_prompts
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import cpu_threads, median_ms
 from rag_jax.inference.generate import generate

@@ -11,6 +11,9 @@
 - ``em_llm``: EM-LLM (Fountas et al., ICLR 2025). ``passkey`` (a byte reader far past its trained context),
   ``long_context`` (real models: passkey, KV retrieval, haystack; EM-LLM vs InfLLM vs sliding window vs full).
   Mechanism: ``rag_jax.memory``.
+- ``needles``: Artificial Needles (Xiong et al., ICLR 2025). ``needles`` (synthetic key-value retrieval
+  fine-tuning and its held-out evaluation). Mechanism: ``data.needles``, ``train.finetune`` (``modes="full"``);
+  its long-context evaluation is ``em_llm.long_context`` (RULER-style tasks, ``data.ruler``).
 - ``rag_demo``: ``rag-jax demo``, the end-to-end RAG job (universe, GRIT + Block-Attention fine-tuning, ScaNN
   retrieval, answers, TTFT).
 
