@@ -108,3 +108,17 @@ def test_decode_bytes_counts_every_parameter_and_the_cached_keys_and_values():
     b = rapid.decode_bytes(CFG, 100, dtype_bytes=2)
     assert b["weights"] == 2 * sum(np.asarray(x).size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert b["kv"] == 2 * 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 100
+
+
+def test_rapid_eval_drafter_prompt_keeps_the_top_chunks_in_order():
+    from rag_jax.recipes.rapid.rapid import chunks, rag_content
+
+    haystack = ("The sky is blue. The grass is green.\nAlma Dunbarton's hobby is woodturning.\n"
+                "Here we go. Bob's job is baker. The sun is yellow. ")
+    assert "".join(chunks(haystack)) == haystack and len(chunks(haystack)) == 6
+    parts = ("Read this.\n", haystack, "\nWhat is the hobby of Alma Dunbarton?")
+    out = rag_content(parts, parts[2], 2)
+    assert out.startswith(parts[0]) and out.endswith(parts[2])
+    kept = out[len(parts[0]):-len(parts[2])]
+    assert "Alma Dunbarton's hobby is woodturning." in kept and len(chunks(kept)) == 2
+    assert kept == "".join(c for c in chunks(haystack) if c in kept)          # original order

@@ -14,6 +14,8 @@
 - ``needles``: Artificial Needles (Xiong et al., ICLR 2025). ``needles`` (synthetic key-value retrieval
   fine-tuning and its held-out evaluation). Mechanism: ``data.needles``, ``train.finetune`` (``modes="full"``);
   its long-context evaluation is ``em_llm.long_context`` (RULER-style tasks, ``data.ruler``).
+- ``rapid``: RAPID (Chen et al., ICML 2025). ``rapid`` (retrieval-augmented speculative decoding on long-context
+  prompts: target alone, RAG drafter alone, RAPID per margin). Mechanism: ``inference.rapid``.
 - ``rag_demo``: ``rag-jax demo``, the end-to-end RAG job (universe, GRIT + Block-Attention fine-tuning, ScaNN
   retrieval, answers, TTFT).
 

@@ -76,7 +76,7 @@ METHODS = ("em_llm", "em_llm_contiguous", "em_llm_refine", "em_llm_contiguity", 
 assert set(METHODS) <= set(PASSKEY_METHODS + EM_VARIANTS)
 
 
-def _full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
+def full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
     """Greedy reply with full attention. A prompt that fills the trained context (``max_seq_len``) still gets its
     reply: the reply's positions run past it (at most ``max_new_tokens``; RoPE is defined there)."""
     from flax import nnx
@@ -143,7 +143,7 @@ def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, 
                     continue
                 t0 = time.perf_counter()
                 if cfg is None:
-                    out = _full_generate(loaded, prompt.ids, max_new_tokens)
+                    out = full_generate(loaded, prompt.ids, max_new_tokens)
                 else:
                     em = cache.get(cfg) or cache.setdefault(cfg, EMLLM(loaded.model, cfg))
                     em.reset()

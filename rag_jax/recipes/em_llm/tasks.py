@@ -46,7 +46,7 @@ def filler_sentences(kind: str, seed: int = 0) -> list[str]:
     raise ValueError(f"filler={kind!r}; valid: {FILLERS}")
 
 
-def _encode(loaded, content: str, reply_prefix: str):
+def user_prompt(loaded, content: str, reply_prefix: str):
     """The prompt of one example as ``rag_jax.text.Encoded``: ``content`` (the haystack and question; untrusted
     text, so special-token text in a document stays text) as the user message of the model's chat template,
     or, without one, ``content + "\n"`` after the tokenizer's own prefix (BOS where its post-processor adds
@@ -70,7 +70,7 @@ def passkey_prompt(loaded, sentences: list[str], length: int, depth: float, key:
     def build(count: int):
         picked = [sentences[i % len(sentences)] for i in range(count)]
         cut = int(round(depth * count))
-        return _encode(loaded, INSTRUCTION + "".join(picked[:cut]) + needle + "".join(picked[cut:]) + QUESTION,
+        return user_prompt(loaded, INSTRUCTION + "".join(picked[:cut]) + needle + "".join(picked[cut:]) + QUESTION,
                        ANSWER_PREFIX)
 
     count = _fit(build, length, tokens_per_piece=4)
@@ -98,6 +98,9 @@ class Prompt:
       prefix: the assistant reply prefix already in ``ids``.
       answers: every expected string of a RULER task (``rag_jax.data.ruler.score``; ``answer`` joins them);
         empty for the single-answer tasks.
+      parts: the user message as ``(instruction, haystack, question)`` (concatenated it is the message), so a
+        retriever can put chosen chunks of the haystack in its place (``rag_jax.recipes.rapid``); empty for
+        ``passkey`` and ``kv``.
     """
 
     ids: np.ndarray
@@ -107,6 +110,7 @@ class Prompt:
     evidence: np.ndarray
     prefix: str
     answers: tuple[str, ...] = ()
+    parts: tuple[str, str, str] | tuple[()] = ()
 
 
 def _char_tokens(enc, spans) -> np.ndarray:
@@ -137,7 +141,7 @@ def kv_prompts(loaded, samples: int, seed: int) -> list[Prompt]:
     out = []
     for ex in (examples[i] for i in picks):
         prefix = f'"{ex.key}": "'
-        enc = _encode(loaded, kv_prompt(ex.kv_records, ex.key), prefix)
+        enc = user_prompt(loaded, kv_prompt(ex.kv_records, ex.key), prefix)
         text = enc.text
         gold = text.index(f'"{ex.key}": "{ex.value}"')
         keys = [k for k, _ in ex.kv_records]
@@ -171,18 +175,21 @@ def haystack_prompts(loaded, length: int, samples: int, seed: int) -> list[Promp
         question = f"\nWhat is the {name} of {person.name}?"
         prefix = f"The {name} of {person.name} is"
 
-        def build(count: int):
+        def pieces(count: int):
             picked = [others[j % len(others)] for j in range(count)]
             cut = int(round(depth * count))
-            return _encode(loaded, HAYSTACK_INSTRUCTION + "\n".join(picked[:cut] + [needle] + picked[cut:])
-                           + question, prefix)
+            return HAYSTACK_INSTRUCTION, "\n".join(picked[:cut] + [needle] + picked[cut:]), question
 
-        enc = build(_fit(build, length, tokens_per_piece=130))
+        def build(count: int):
+            return user_prompt(loaded, "".join(pieces(count)), prefix)
+
+        count = _fit(build, length, tokens_per_piece=130)
+        enc = build(count)
         text = enc.text
         fact = f"{prefix} {getattr(person, attribute)}."
         at = text.index(needle, text.index(HAYSTACK_INSTRUCTION)) + needle.index(fact)
         out.append(Prompt(np.asarray(enc.ids, np.int32), getattr(person, attribute), depth, question.strip(),
-                          _char_tokens(enc, [(at, at + len(fact))]), prefix))
+                          _char_tokens(enc, [(at, at + len(fact))]), prefix, parts=pieces(count)))
     return out
 
 
@@ -197,14 +204,19 @@ def passkey_once_prompts(loaded, length: int, samples: int, seed: int, filler: s
         key, depth = str(rng.integers(10000, 100000)), (i + 0.5) / samples
         needle = ONCE_NEEDLE.format(key=key)
 
-        def build(count: int):
+        def pieces(count: int, needle=needle, depth=depth):
             picked = [sentences[j % len(sentences)] for j in range(count)]
             cut = int(round(depth * count))
-            return _encode(loaded, "".join(picked[:cut]) + needle + "".join(picked[cut:]) + ONCE_QUESTION, "")
+            return "", "".join(picked[:cut]) + needle + "".join(picked[cut:]), ONCE_QUESTION
 
-        enc = build(_fit(build, length, tokens_per_piece=4))
+        def build(count: int, pieces=pieces):
+            return user_prompt(loaded, "".join(pieces(count)), "")
+
+        count = _fit(build, length, tokens_per_piece=4)
+        enc = build(count)
         at = enc.text.index(needle) + needle.index(key)
-        out.append(Prompt(np.asarray(enc.ids, np.int32), key, depth, key, _char_tokens(enc, [(at, at + len(key))]), ""))
+        out.append(Prompt(np.asarray(enc.ids, np.int32), key, depth, key, _char_tokens(enc, [(at, at + len(key))]), "",
+                          parts=pieces(count)))
     return out
 
 
@@ -220,12 +232,12 @@ def ruler_prompts(loaded, task: str, length: int, samples: int, seed: int, fille
 
         def build(count: int, i=i, depth=depth):
             item = ruler.make_item(task, [seed, i], max(count, 1), sentences, depth)
-            return _encode(loaded, item.context + item.question, item.prefix), item
+            return user_prompt(loaded, item.context + item.question, item.prefix), item
 
         enc, item = build(_fit(lambda c: build(c)[0], length, tokens_per_piece=per_unit))
         spans = [(enc.text.index(e), enc.text.index(e) + len(e)) for e in item.evidence if e in enc.text]
         out.append(Prompt(np.asarray(enc.ids, np.int32), ", ".join(item.answers), item.depth, f"{task}:{i}",
-                          _char_tokens(enc, spans), item.prefix, item.answers))
+                          _char_tokens(enc, spans), item.prefix, item.answers, ("", item.context, item.question)))
     return out
 
 

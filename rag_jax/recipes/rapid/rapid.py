@@ -1,0 +1,120 @@
+"""RAPID on long-context prompts (Chen et al., ICML 2025; ``rag_jax.inference.rapid``): the target reads the whole
+prompt (full attention), the drafter the same prompt with its haystack replaced by the ``--top-k`` chunks BM25
+ranks highest for the question (sentences or lines of the haystack, kept in their order), and RAPID decodes with
+the drafter proposing ``--gamma`` tokens that the target verifies, at each ``--etas`` margin.
+
+Prompts are ``long_context``'s tasks with a haystack (``haystack``: a PhantomWiki attribute question among
+articles; ``passkey_once``; the RULER-style ones), ``--samples`` per ``--lengths``. Conditions per prompt, greedy:
+the target alone, the drafter alone (RAG), and RAPID per ``eta``; each reply scored as ``long_context`` scores it.
+Reported: accuracy, RAPID's acceptance rate, decode tokens/s (after both prefills), and the bytes one decode step
+of the target and of the drafter reads (weights + KV), from which the context length where speculation can pay on
+this machine follows (``inference.rapid.decode_bytes``). On this CPU RAPID's target verifies drafted tokens one
+decode step at a time, so tokens/s shows its overhead, not a speed-up.
+
+    rag-jax eval rapid --task haystack --lengths 4096 --samples 5 --etas 0,1 --out runs/rapid/haystack.json
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import numpy as np
+
+from rag_jax.args import ScriptParser, int_list, integer, model_source, output_file, real
+from rag_jax.atomic import write_text
+from rag_jax.evaluation.tables import table
+from rag_jax.inference.rapid import decode_bytes, rapid_generate
+from rag_jax.model.load import load_model
+from rag_jax.recipes.em_llm.long_context import full_generate
+from rag_jax.recipes.em_llm.tasks import FILLERS, MAX_NEW_TOKENS, user_prompt, make_prompts, score
+from rag_jax.retrieval.lexical import BM25Index
+
+TASKS = ("haystack", "passkey_once", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
+
+
+def chunks(haystack: str) -> list[str]:
+    """The haystack's sentences and lines (each keeping its trailing space or newline), in order."""
+    return [m.group(0) for m in re.finditer(r"[^.!?\n]*[.!?\n]?[ \t\n]*", haystack) if m.group(0)]
+
+
+def rag_content(parts: tuple[str, str, str], query: str, k: int) -> str:
+    """The user message with its haystack replaced by the ``k`` chunks BM25 ranks highest for ``query``, in their
+    original order."""
+    pieces = chunks(parts[1])
+    _, ids = BM25Index(pieces).search([query], min(k, len(pieces)))   # (scores, ids)
+    keep = sorted(int(i) for i in ids[0] if i >= 0)
+    return parts[0] + "".join(pieces[i] for i in keep) + parts[2]
+
+
+def main(argv=None) -> int:
+    p = ScriptParser(prog="rag-jax eval rapid", description=__doc__)
+    p.add_argument("--model", type=model_source, default="smollm2-135m-instruct", help="the target")
+    p.add_argument("--drafter", type=model_source, default=None, help="the drafter (default: --model)")
+    p.add_argument("--task", choices=TASKS, default="haystack")
+    p.add_argument("--filler", choices=FILLERS, default="phantom")
+    p.add_argument("--lengths", type=int_list(64), default=[4096])
+    p.add_argument("--samples", type=integer(1), default=4)
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--top-k", type=integer(1), default=8, help="haystack chunks the drafter reads")
+    p.add_argument("--gamma", type=integer(1), default=4, help="tokens drafted per round")
+    p.add_argument("--etas", type=lambda t: [real(0)(x) for x in t.split(",")], default=[0.0, 1.0],
+                   help="knowledge-transfer margins, comma-separated (0 = plain speculative decoding)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=None)
+    p.add_argument("--out", type=output_file, default=None)
+    args = p.parse_args(argv)
+
+    target = load_model(args.model)
+    drafter = target if args.drafter is None else load_model(args.drafter)
+    if target.tokenizer is None:
+        p.error(f"argument --model: {args.model} has no tokenizer")
+    new_tokens = args.max_new_tokens or MAX_NEW_TOKENS[args.task]
+    rows, conditions = [], ["target", "RAG drafter", *(f"RAPID eta={e:g}" for e in args.etas)]
+    for length in args.lengths:
+        for prompt in make_prompts(target, args.task, length, args.samples, args.seed, args.filler):
+            query = prompt.parts[2]
+            draft = user_prompt(target, rag_content(prompt.parts, query, args.top_k), prompt.prefix).ids
+            row = {"length": length, "tokens": len(prompt.ids), "draft_tokens": len(draft), "depth": prompt.depth,
+                   "answer": prompt.answer, "results": {}}
+            for cond in conditions:
+                t0 = time.perf_counter()
+                stats = None
+                if cond == "target":
+                    out = full_generate(target, prompt.ids, new_tokens)
+                elif cond == "RAG drafter":
+                    out = full_generate(drafter, np.asarray(draft, np.int32), new_tokens)
+                else:
+                    out, stats = rapid_generate(target.model, prompt.ids.tolist(), drafter.model, draft,
+                                                max_new_tokens=new_tokens, gamma=args.gamma,
+                                                eta=float(cond.split("=")[1]), eos_id=target.eos_ids)
+                reply = target.tokenizer.decode(out, skip_special_tokens=True)
+                row["results"][cond] = {
+                    "reply": reply, "score": score(args.task, reply, prompt), "seconds": time.perf_counter() - t0,
+                    **({} if stats is None else {"acceptance": stats.acceptance_rate, "decode_seconds": stats.seconds,
+                                                 "tokens": len(out), "target_steps": stats.target_steps})}
+                print(f"  {length:>6d} depth {prompt.depth:.2f} {cond:14s} {row['results'][cond]['score']:.2f} "
+                      f"{reply!r}", flush=True)
+            rows.append(row)
+            if args.out is not None:
+                write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                                                indent=1))
+    table_rows = []
+    for cond in conditions:
+        res = [r["results"][cond] for r in rows]
+        acc = [x["acceptance"] for x in res if "acceptance" in x]
+        tps = [x["tokens"] / x["decode_seconds"] for x in res if "decode_seconds" in x and x["decode_seconds"] > 0]
+        table_rows.append([cond, f"{np.mean([x['score'] for x in res]):.3f}", f"{np.mean(acc):.2f}" if acc else "",
+                           f"{np.median(tps):.1f}" if tps else "", f"{np.median([x['seconds'] for x in res]):.1f}"])
+    print(f"# RAPID, {args.task}, target {args.model}, drafter {args.drafter or args.model} (BM25 top {args.top_k} "
+          f"chunks), gamma {args.gamma}, {len(rows)} prompts")
+    print(table(["condition", "score", "acceptance", "decode tok/s", "median s/prompt"], table_rows))
+    ctx = int(np.mean([r["tokens"] for r in rows]))
+    dctx = int(np.mean([r["draft_tokens"] for r in rows]))
+    tb, db = decode_bytes(target.config, ctx), decode_bytes(drafter.config, dctx)
+    print(f"bytes per decode step (fp32): target {sum(tb.values()) / 1e6:.0f} MB at {ctx} tokens (KV "
+          f"{tb['kv'] / 1e6:.0f} MB), drafter {sum(db.values()) / 1e6:.0f} MB at {dctx} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
