@@ -188,6 +188,16 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
         z = scale(dist_logits)
         return int(np.argmax(z)) if temperature == 0 else int(rng.choice(len(z), p=_softmax(z)))
 
+    def rule(x: int, target_logits, draft_logits) -> tuple[bool, int | None]:
+        """(accept the drafted ``x``?, the replacement when not)."""
+        zp, zq = scale(target_logits), scale(draft_logits)
+        if temperature == 0:
+            best = int(np.argmax(transfer_logits(zp, zq, eta, alpha)))
+            return x == best, best
+        if rng.random() <= accept_probability(x, zp, zq, eta, alpha):
+            return True, None
+        return False, int(rng.choice(len(zp), p=residual(zp, zq, eta, alpha)))
+
     t0 = time.perf_counter()
     slots = max_new_tokens + gamma + 1
     tgt, dft = _Stream(target, target_prompt, slots), _Stream(drafter, draft_prompt, slots + gamma)
@@ -204,28 +214,7 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
                 dft.feed(drafts[-1])
                 stats.draft_steps += 1
         stats.drafted += gamma
-        emitted, accepted = [], 0
-        for x, q in zip(drafts, qs):
-            zp, zq = scale(tgt.logits), scale(q)
-            zt = transfer_logits(zp, zq, eta, alpha)
-            if temperature == 0:
-                ok = x == int(np.argmax(zt))
-                replacement = int(np.argmax(zt))
-            else:
-                ok = rng.random() <= accept_probability(x, zp, zq, eta, alpha)
-                replacement = None if ok else int(rng.choice(len(zp), p=residual(zp, zq, eta, alpha)))
-            token = x if ok else replacement
-            emitted.append(token)
-            accepted += ok
-            tgt.feed(token)
-            stats.target_steps += 1
-            if not ok or token in eos or len(out) + len(emitted) >= max_new_tokens:
-                break
-        else:   # every drafted token accepted: one more from the target's own distribution
-            if drafts[-1] not in eos and len(out) + len(emitted) < max_new_tokens:
-                emitted.append(pick(tgt.logits))
-                tgt.feed(emitted[-1])
-                stats.target_steps += 1
+        emitted, accepted = _verify(tgt, drafts, qs, rule, pick, eos, max_new_tokens - len(out), stats)
         stats.accepted += accepted
         # The drafter fed drafts[:gamma-1]; keep those accepted (its logits after them are qs[keep]), feed the rest.
         keep = min(accepted, gamma - 1)
@@ -237,3 +226,23 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
     stats.seconds = time.perf_counter() - t0
     return out[:max_new_tokens], stats
 
+
+def _verify(tgt: _Stream, drafts, qs, rule, pick, eos, room: int, stats: RapidStats) -> tuple[list[int], int]:
+    """One verification round: the target checks ``drafts`` in order (``rule``), feeding each emitted token; stops
+    at the first rejection (emitting the replacement), an end token or ``room`` tokens; after a fully accepted
+    round it emits one more token of its own (``pick``). Returns ``(emitted tokens, drafted tokens accepted)``."""
+    emitted, accepted = [], 0
+    for x, q in zip(drafts, qs):
+        ok, replacement = rule(x, tgt.logits, q)
+        token = x if ok else replacement
+        emitted.append(token)
+        accepted += ok
+        tgt.feed(token)
+        stats.target_steps += 1
+        if not ok or token in eos or len(emitted) >= room:
+            return emitted, accepted
+    if drafts[-1] not in eos and len(emitted) < room:
+        emitted.append(pick(tgt.logits))
+        tgt.feed(emitted[-1])
+        stats.target_steps += 1
+    return emitted, accepted

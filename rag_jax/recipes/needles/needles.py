@@ -78,6 +78,38 @@ def answer(loaded, model, exs, *, max_new_tokens: int, batch_size: int, cache: P
                                                               max_new_tokens=max_new_tokens, batch_size=batch_size))
 
 
+def train(loaded, args, dicts, variants):
+    """Fine-tune ``loaded`` on the training prompts (module docstring) and write the delta; returns ``(the tuned
+    model as loaded from its delta, or from the run folder with --delta-rank 0; the training record)``."""
+    rows = training_rows(loaded, examples(1, args.train_rows, dicts, variants, args.train_template == "on"))
+    seq_len = -(-max(r.num_tokens for r in rows) // 64) * 64
+    cfg = FinetuneConfig(steps=args.steps, batch_size=args.batch_size, seq_len=seq_len,
+                         train_layers=args.top_layers, learning_rate=args.lr, warmup_steps=args.warmup,
+                         save_every=max(1, min(20, args.steps)), modes="full")
+    recipe = {"model": str(args.model), "dicts": list(dicts), "variants": list(variants),
+              "train_rows": args.train_rows, "train_template": args.train_template,
+              "finetune": dataclasses.asdict(cfg)}
+    run_dir = args.cache_dir / f"run_{hashlib.sha1(json.dumps(recipe, default=str).encode()).hexdigest()[:10]}"
+    print(f"fine-tuning: {len(rows)} rows, {np.mean([r.num_tokens for r in rows]):.0f} tokens on average "
+          f"(seq_len {seq_len}); {cfg}; {run_dir}", flush=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = finetune(loaded, rows, cfg, run_dir, extra_config={"needles": recipe})
+    record = {"run_dir": str(run_dir), "steps": result.step, "wall_seconds": time.perf_counter() - t0,
+              "cpu_seconds": time.process_time() - c0, "history": result.history}
+    tuned = load_model(run_dir)
+    print(f"tuned model: {run_dir} (--model accepts it)", flush=True)
+    if args.delta_rank:
+        delta = low_rank_delta(loaded.model, tuned.model, args.delta_rank)
+        path = save_delta(run_dir / "delta.safetensors", delta, {"base": str(args.model)})
+        err = relative_error(loaded.model, tuned.model, delta)
+        record["delta"] = {"path": str(path), "bytes": path.stat().st_size, "rank": args.delta_rank,
+                           "max_relative_error": max(err.values())}
+        print(f"delta: {path} ({path.stat().st_size / 1e6:.1f} MB, rank {args.delta_rank}, max relative error "
+              f"{max(err.values()):.3f})", flush=True)
+        tuned = load_model(path)
+    return tuned, record
+
+
 def main(argv=None) -> int:
     p = ScriptParser(prog="rag-jax eval needles", description=__doc__)
     p.add_argument("--model", type=model_source, default="smollm2-135m-instruct")
@@ -112,33 +144,7 @@ def main(argv=None) -> int:
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     models = {"base": loaded}
     if args.steps:
-        rows = training_rows(loaded, examples(1, args.train_rows, dicts, variants, args.train_template == "on"))
-        seq_len = -(-max(r.num_tokens for r in rows) // 64) * 64
-        cfg = FinetuneConfig(steps=args.steps, batch_size=args.batch_size, seq_len=seq_len,
-                             train_layers=args.top_layers, learning_rate=args.lr, warmup_steps=args.warmup,
-                             save_every=max(1, min(20, args.steps)), modes="full")
-        recipe = {"model": str(args.model), "dicts": list(dicts), "variants": list(variants),
-                  "train_rows": args.train_rows, "train_template": args.train_template,
-                  "finetune": dataclasses.asdict(cfg)}
-        run_dir = args.cache_dir / f"run_{hashlib.sha1(json.dumps(recipe, default=str).encode()).hexdigest()[:10]}"
-        print(f"fine-tuning: {len(rows)} rows, {np.mean([r.num_tokens for r in rows]):.0f} tokens on average "
-              f"(seq_len {seq_len}); {cfg}; {run_dir}", flush=True)
-        t0, c0 = time.perf_counter(), time.process_time()
-        result = finetune(loaded, rows, cfg, run_dir, extra_config={"needles": recipe})
-        info["finetune"] = {"run_dir": str(run_dir), "steps": result.step, "wall_seconds": time.perf_counter() - t0,
-                            "cpu_seconds": time.process_time() - c0, "history": result.history}
-        tuned = load_model(run_dir)
-        print(f"tuned model: {run_dir} (--model accepts it)", flush=True)
-        if args.delta_rank:
-            delta = low_rank_delta(loaded.model, tuned.model, args.delta_rank)
-            path = save_delta(run_dir / "delta.safetensors", delta, {"base": str(args.model)})
-            err = relative_error(loaded.model, tuned.model, delta)
-            info["delta"] = {"path": str(path), "bytes": path.stat().st_size, "rank": args.delta_rank,
-                             "max_relative_error": max(err.values())}
-            print(f"delta: {path} ({path.stat().st_size / 1e6:.1f} MB, rank {args.delta_rank}, max relative error "
-                  f"{max(err.values()):.3f})", flush=True)
-            tuned = load_model(path)
-        models["tuned"] = tuned
+        models["tuned"], info["finetune"] = train(loaded, args, dicts, variants)
     elif args.tuned is not None:
         models["tuned"] = load_model(args.tuned)
 
