@@ -162,3 +162,21 @@ def test_block_tuned_delta_loads_by_name(models):
         return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     assert same(base["layers"][0], new["layers"][0]) and not same(base["layers"][29], new["layers"][29])
     assert same(base["embedding"], new["embedding"])
+
+
+def test_needles_tuned_delta_loads_by_name(models):
+    """``smollm2-135m-instruct-needles``: the base model plus the shipped Artificial Needles delta (issue 30; top 12
+    layers and the final norm), plain full attention; at most about 10 MB."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    ours = models[0]
+    tuned = load_model("smollm2-135m-instruct-needles")
+    assert tuned.block_prefix == "none" and tuned.chat_template == ours.chat_template
+    assert resolve_model("smollm2-135m-instruct-needles").stat().st_size < 10.5e6
+    base, new = (nnx.to_pure_dict(nnx.state(m.model, nnx.Param)) for m in (ours, tuned))
+
+    def same(a, b):
+        return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert same(base["layers"][17], new["layers"][17]) and not same(base["layers"][18], new["layers"][18])
+    assert same(base["embedding"], new["embedding"])

