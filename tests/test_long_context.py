@@ -135,7 +135,7 @@ def test_full_attention_reply_may_run_past_the_trained_context(tmp_path):
     ids = np.random.default_rng(5).integers(0, 256, 62).astype(np.int32)
     loaded = LoadedModel(config=short, model=model, arch="llama", tokenizer=byte_tokenizer(), chat_template=None,
                          eos_ids=(), special_tokens={}, source=tmp_path)
-    got = long_context._full_generate(loaded, ids, 6)
+    got = long_context.full_generate(loaded, ids, 6)
     assert model.config.max_seq_len == 64                                # the caller's model is unchanged
     longer = Transformer(CFG, rngs=nnx.Rngs(5))                          # same weights, max_seq_len 512
-    assert got == long_context._full_generate(dataclasses.replace(loaded, model=longer), ids, 6) and len(got) == 6
+    assert got == long_context.full_generate(dataclasses.replace(loaded, model=longer), ids, 6) and len(got) == 6
