@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from rag_jax.tokenizer import byte_tokenizer
+from rag_jax.inference.chat import user_prompt
 from rag_jax.recipes.em_llm import long_context, tasks
 from rag_jax.memory import EMLLM, EMLLMConfig
 from rag_jax.model import ModelConfig, Transformer
@@ -109,7 +110,7 @@ def test_haystack_prompts_place_the_article_and_mark_the_fact(tmp_path):
         fact = loaded.tokenizer.decode(p.ids[p.evidence].tolist())
         assert fact == f"{p.prefix} {p.answer}."                              # the one sentence stating it
         assert text.count(fact) == 1
-        assert tasks.user_prompt(loaded, "".join(p.parts), p.prefix).ids == p.ids.tolist() and fact in p.parts[1]
+        assert user_prompt(loaded, "".join(p.parts), p.prefix).ids == p.ids.tolist() and fact in p.parts[1]
         assert abs(text.index(fact) / len(text) - p.depth) < 0.15           # ~11 articles: coarse depths
     assert tasks.correct("haystack", " Woodturning, I think.", "woodturning")
     assert not tasks.correct("haystack", " chess", "woodturning")

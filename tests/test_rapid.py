@@ -89,17 +89,19 @@ def test_greedy_rapid_without_transfer_is_the_targets_greedy_output():
         rapid.rapid_generate(target, long_prompt, drafter, short_prompt, max_new_tokens=4, gamma=0)
 
 
-def test_sampled_rapid_emits_valid_tokens_and_stops_at_eos():
+def test_sampled_rapid_accepts_everything_from_an_identical_drafter_and_stops_at_eos():
+    """Sampled verification with the drafter equal to the target on the same prompt: q = p = p~, so every drafted
+    token is accepted (ratio 1) whatever eta; the same seed gives the same tokens; an end id stops at once."""
     rng = np.random.default_rng()
     target = _model(int(rng.integers(1 << 30)))
-    prompt = rng.integers(0, 64, 30).tolist()
-    out, stats = rapid.rapid_generate(target, prompt, target, prompt[-8:], max_new_tokens=16, gamma=2, eta=1.0,
-                                      temperature=1.0, seed=int(rng.integers(1000)))
-    assert 1 <= len(out) <= 16 and all(0 <= t < 64 for t in out) and stats.drafted >= stats.accepted
-    first = out[0]
-    stopped, _ = rapid.rapid_generate(target, prompt, target, prompt[-8:], max_new_tokens=16, gamma=2, eta=1.0,
-                                      temperature=1.0, seed=0, eos_id=list(range(64)))
-    assert len(stopped) == 1 and first >= 0
+    prompt, seed = rng.integers(0, 64, 30).tolist(), int(rng.integers(1000))
+    run = lambda **kw: rapid.rapid_generate(target, prompt, target, prompt, max_new_tokens=16, gamma=3,  # noqa: E731
+                                             eta=1.0, temperature=1.0, seed=seed, **kw)
+    out, stats = run()
+    assert len(out) == 16 and stats.acceptance_rate == 1.0 and stats.rounds == 4   # 3 drafted + 1 bonus a round
+    assert run()[0] == out
+    stopped, _ = run(eos_id=out[0])
+    assert stopped == out[:1]
 
 
 def test_decode_bytes_counts_every_parameter_and_the_cached_keys_and_values():

@@ -146,37 +146,23 @@ def test_missing_package_names_pip_command(monkeypatch):
 
 
 
-def test_block_tuned_delta_loads_by_name(models):
-    """``smollm2-135m-instruct-block``: the base model plus the shipped Block-Attention delta (top layers and final
-    norm only), served in sink mode; small enough to ship (at most about 10 MB)."""
+@pytest.mark.parametrize("name,prefix,first_tuned", [("smollm2-135m-instruct-block", "sink", 22),
+                                                      ("smollm2-135m-instruct-needles", "none", 18)])
+def test_shipped_delta_loads_by_name(models, name, prefix, first_tuned):
+    """The shipped deltas over the base model: ``-block`` (Block-Attention distillation, top 8 layers, served in sink
+    mode) and ``-needles`` (Artificial Needles, issue 30, top 12 layers, full attention); only the top layers and
+    the final norm differ from the base; small enough to ship (at most about 10 MB)."""
     import jax
     import numpy as np
     from flax import nnx
     ours = models[0]
-    tuned = load_model("smollm2-135m-instruct-block")
-    assert tuned.block_prefix == "sink" and tuned.chat_template == ours.chat_template
-    assert resolve_model("smollm2-135m-instruct-block").stat().st_size < 10.5e6
+    tuned = load_model(name)
+    assert tuned.block_prefix == prefix and tuned.chat_template == ours.chat_template
+    assert resolve_model(name).stat().st_size < 10.5e6
     base, new = (nnx.to_pure_dict(nnx.state(m.model, nnx.Param)) for m in (ours, tuned))
 
     def same(a, b):
         return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    assert same(base["layers"][0], new["layers"][0]) and not same(base["layers"][29], new["layers"][29])
-    assert same(base["embedding"], new["embedding"])
-
-
-def test_needles_tuned_delta_loads_by_name(models):
-    """``smollm2-135m-instruct-needles``: the base model plus the shipped Artificial Needles delta (issue 30; top 12
-    layers and the final norm), plain full attention; at most about 10 MB."""
-    import jax
-    import numpy as np
-    from flax import nnx
-    ours = models[0]
-    tuned = load_model("smollm2-135m-instruct-needles")
-    assert tuned.block_prefix == "none" and tuned.chat_template == ours.chat_template
-    assert resolve_model("smollm2-135m-instruct-needles").stat().st_size < 10.5e6
-    base, new = (nnx.to_pure_dict(nnx.state(m.model, nnx.Param)) for m in (ours, tuned))
-
-    def same(a, b):
-        return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    assert same(base["layers"][17], new["layers"][17]) and not same(base["layers"][18], new["layers"][18])
+    assert same(base["layers"][first_tuned - 1], new["layers"][first_tuned - 1])
+    assert not same(base["layers"][first_tuned], new["layers"][first_tuned])
     assert same(base["embedding"], new["embedding"])

@@ -116,6 +116,7 @@ def test_ruler_errors_and_score():
 @pytest.mark.parametrize("task", ruler.TASKS + ("passkey_once",))
 def test_long_context_prompts_of_the_new_tasks(task, tmp_path):
     from test_long_context import _loaded
+    from rag_jax.inference.chat import user_prompt
     from rag_jax.recipes.em_llm import tasks
 
     loaded = _loaded(tmp_path)
@@ -124,7 +125,7 @@ def test_long_context_prompts_of_the_new_tasks(task, tmp_path):
     for p in prompts:
         text = loaded.tokenizer.decode(p.ids.tolist())
         assert abs(len(p.ids) - 1500) < 150 and text.endswith(p.prefix)
-        assert tasks.user_prompt(loaded, "".join(p.parts), p.prefix).ids == p.ids.tolist()   # parts = the message
+        assert user_prompt(loaded, "".join(p.parts), p.prefix).ids == p.ids.tolist()   # parts = the message
         for a in p.answers or (p.answer,):
             assert a in text
         if task == "passkey_once":

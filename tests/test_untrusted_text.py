@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from rag_jax import text as text_lib
 from rag_jax.data import block_rag
 from rag_jax.data import chat_blocks
-from rag_jax.recipes.em_llm import tasks
+from rag_jax.inference.chat import user_prompt
 from rag_jax.inference.chat import chat_prompt
 from rag_jax.model.embedding import GritFormat, tokenize_for_embedding
 
@@ -177,7 +177,7 @@ def test_grit_cache_prompts_keep_query_and_doc_as_content(smol):
 
 def test_long_context_documents_are_content_and_plain_prompts_get_bos(smol):
     loaded, _ = smol
-    enc = tasks.user_prompt(loaded, "article " + FORGED + "Question?", "The answer is")
+    enc = user_prompt(loaded, "article " + FORGED + "Question?", "The answer is")
     start = loaded.tokenizer.token_to_id("<|im_start|>")
     assert enc.ids.count(start) == 3                                  # system, user, assistant: template only
     assert loaded.tokenizer.decode(enc.ids, skip_special_tokens=False) == enc.text
@@ -189,7 +189,7 @@ def test_long_context_documents_are_content_and_plain_prompts_get_bos(smol):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     plain = SimpleNamespace(tokenizer=tok, chat_template=None, special_tokens={})
     content = "".join(np.random.default_rng().choice(list("abc <s>\n"), 40))
-    enc = tasks.user_prompt(plain, content, "Answer:")
+    enc = user_prompt(plain, content, "Answer:")
     assert enc.ids[0] == 0 and enc.ids.count(0) == 1                 # no BOS before issue 27; "<s>" text is text
     tok.encode_special_tokens = True
     assert enc.ids == tok.encode(content + "\nAnswer:").ids          # tokenizers' post-processor, specials split

@@ -1,5 +1,9 @@
 """PhantomWiki-style fictional universes: people, one article each, and multi-hop questions.
 
+One module over 500 lines on purpose: facts, article templates and question templates are one generator whose
+parts share the same universe state and seeded RNG order (a split would pass that state between modules and
+risk changing the seeded output every test and README number depends on).
+
 Method: PhantomWiki (Gong et al., ICML 2025, "PhantomWiki: On-Demand Datasets for Reasoning and
 Retrieval Evaluation"; research note ``shared/research/retrieval_eval.md`` §2 "PhantomWiki"). A
 universe is (1) facts — random family trees, a random friendship graph, attributes (date of birth,

@@ -92,9 +92,9 @@ def _insert(filler: Sequence[str], size: int, pieces: Sequence[str], depths: Seq
 def _niah(rng, size, filler, depth, *, keys: int, values_per_key: int, queries: int) -> Item:
     names = made_up_words(rng, keys)
     values = [[str(int(rng.integers(1_000_000, 10_000_000))) for _ in range(values_per_key)] for _ in names]
-    needles = [NEEDLE.format(key=k, value=v) for k, vs in zip(names, values) for v in vs]
-    needles = [needles[i] for i in rng.permutation(len(needles))]
-    needles.sort(key=lambda n: not n.startswith(NEEDLE.split("{")[0] + names[0] + " "))   # the asked key's first
+    first = [NEEDLE.format(key=names[0], value=v) for v in values[0]]          # the asked key's, first
+    others = [NEEDLE.format(key=k, value=v) for k, vs in zip(names[1:], values[1:]) for v in vs]
+    needles = first + [others[i] for i in rng.permutation(len(others))]
     depths = [(depth + j / len(needles)) % 1.0 for j in range(len(needles))]   # the first at ``depth``, others spread
     context, first = _insert(filler, size, needles, depths)
     asked = names[:queries]

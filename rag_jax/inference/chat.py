@@ -24,7 +24,7 @@ from rag_jax.inference.generate import check_sampling, decode_step, prefill, sam
 from rag_jax.model.gguf import convert_gguf
 from rag_jax.model.load import load_model, resolve_model
 from rag_jax.model.transformer import Transformer
-from rag_jax.text import chat_encode, encode_prompt
+from rag_jax.text import chat_encode, chat_pieces, encode_prompt
 from rag_jax.tokenizer import eos_tuple
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -93,6 +93,17 @@ def chat_prompt(loaded, messages: Sequence[dict]) -> list[int]:
     if loaded.chat_template is None:
         raise ValueError(f"model {loaded.source} has no chat template; use `rag-jax generate` for plain text")
     return chat_encode(loaded.tokenizer, loaded.chat_template, messages, **loaded.special_tokens).ids
+
+
+def user_prompt(loaded, content: str, reply_prefix: str = ""):
+    """One user turn as ``rag_jax.text.Encoded``: ``content`` (untrusted text, e.g. a haystack and a question, so
+    special-token text in a document stays text) as the user message of the model's chat template,
+    or, without one, ``content + "\n"`` after the tokenizer's own prefix (BOS where its post-processor adds
+    it, as ``rag-jax generate`` and transformers); then the assistant's ``reply_prefix``."""
+    if loaded.chat_template is None:
+        return encode_prompt(loaded.tokenizer, [content + "\n", reply_prefix], templated=False)
+    pieces = chat_pieces(loaded.chat_template, [{"role": "user", "content": content}], **loaded.special_tokens)
+    return encode_prompt(loaded.tokenizer, [*pieces, reply_prefix], templated=True)
 
 
 def _print_stream(loaded, prompt_ids, args, out) -> str:

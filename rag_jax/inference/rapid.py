@@ -46,16 +46,20 @@ def _softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def _check_transfer(eta: float, alpha: float) -> None:
+    if eta < 0:
+        raise ValueError(f"eta={eta} must be >= 0")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha} must be in [0, 1]")
+
+
 def transfer_logits(target_logits, draft_logits, eta: float, alpha: float = 0.1) -> np.ndarray:
     """RAPID's retrieval-augmented target logits ``z~`` (module docstring), float64 ``[..., vocab]``.
 
     Raises:
       ValueError: ``eta < 0`` or ``alpha`` outside [0, 1].
     """
-    if eta < 0:
-        raise ValueError(f"eta={eta} must be >= 0")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha={alpha} must be in [0, 1]")
+    _check_transfer(eta, alpha)
     z = np.asarray(target_logits, np.float64)
     p, q = _softmax(z), _softmax(draft_logits)
     m = q >= alpha * q.max(axis=-1, keepdims=True)
@@ -179,7 +183,7 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
     if not len(target_prompt) or not len(draft_prompt):
         raise ValueError("target_prompt and draft_prompt must be non-empty token lists")
-    transfer_logits(np.zeros(1), np.zeros(1), eta, alpha)            # validates eta and alpha
+    _check_transfer(eta, alpha)
     eos = set(eos_tuple(eos_id))
     rng = np.random.default_rng(seed)
     scale = (lambda z: z / temperature) if temperature > 0 else (lambda z: z)

@@ -1,5 +1,9 @@
 """Streaming chunked prefill and decode with episodic memory (EM-LLM, Fountas et al., ICLR 2025, §3; InfLLM).
 
+Over 500 lines on purpose: ``EMLLM`` is one stateful object (local window, initial tokens, event store, per-layer
+retrieval) whose prefill and decode share that state; segmentation, refinement, the store and the index are
+already their own modules in ``rag_jax.memory``.
+
 ``EMLLM`` wraps any rag_jax ``Transformer`` at inference (training-free) and processes inputs far longer than its
 trained context, batch 1 (as the reference). Every chunk of ``chunk_size`` tokens runs the model layer by layer
 (the core's layer internals), where each layer attends with ONE joint softmax (``attend_joint``) over

@@ -16,7 +16,7 @@ from rag_jax.data import ruler
 from rag_jax.data.loaders import load_kv_retrieval
 from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
 from rag_jax.recipes.em_llm.passkey import FILLER, KV_FILE, kv_prompt
-from rag_jax.text import chat_pieces, encode_prompt
+from rag_jax.inference.chat import user_prompt
 
 FILLERS = ("repeat", "phantom")
 TASKS = ("passkey", "passkey_once", "kv", "haystack", *ruler.TASKS)
@@ -44,17 +44,6 @@ def filler_sentences(kind: str, seed: int = 0) -> list[str]:
         universe = generate_universe(num_people=300, seed=seed, num_questions=0)
         return [line + "\n" for a in universe.articles for line in a["article"].split("\n")]
     raise ValueError(f"filler={kind!r}; valid: {FILLERS}")
-
-
-def user_prompt(loaded, content: str, reply_prefix: str):
-    """The prompt of one example as ``rag_jax.text.Encoded``: ``content`` (the haystack and question; untrusted
-    text, so special-token text in a document stays text) as the user message of the model's chat template,
-    or, without one, ``content + "\n"`` after the tokenizer's own prefix (BOS where its post-processor adds
-    it, as ``rag-jax generate`` and transformers); then the assistant's ``reply_prefix``."""
-    if loaded.chat_template is None:
-        return encode_prompt(loaded.tokenizer, [content + "\n", reply_prefix], templated=False)
-    pieces = chat_pieces(loaded.chat_template, [{"role": "user", "content": content}], **loaded.special_tokens)
-    return encode_prompt(loaded.tokenizer, [*pieces, reply_prefix], templated=True)
 
 
 def passkey_prompt(loaded, sentences: list[str], length: int, depth: float, key: str

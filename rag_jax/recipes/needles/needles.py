@@ -36,10 +36,11 @@ from rag_jax.data.needles import VARIANTS, needle_example, reply_score
 from rag_jax.evaluation.rag import greedy_replies, memo_json
 from rag_jax.evaluation.stats import mcnemar
 from rag_jax.evaluation.tables import table
+from rag_jax.inference.chat import user_prompt
 from rag_jax.inference.kv_store import model_fingerprint
 from rag_jax.model.delta import low_rank_delta, relative_error, save_delta
 from rag_jax.model.load import load_model
-from rag_jax.text import chat_pieces, encode_content, encode_prompt
+from rag_jax.text import encode_content
 from rag_jax.train.finetune import FinetuneConfig, finetune
 
 
@@ -54,24 +55,15 @@ def examples(seed: int, count: int, dicts: tuple[int, int], variants, template: 
     return out
 
 
-def prompt_ids(loaded, prompt: str) -> list[int]:
-    """The chat-template prompt (``prompt`` as the user message, content: never control tokens) up to the
-    assistant's turn, as token ids; without a chat template the prompt and a newline."""
-    if loaded.chat_template is None:
-        return list(encode_prompt(loaded.tokenizer, [prompt + "\n"], templated=False).ids)
-    pieces = chat_pieces(loaded.chat_template, [{"role": "user", "content": prompt}], **loaded.special_tokens)
-    return list(encode_prompt(loaded.tokenizer, pieces, templated=True).ids)
-
-
 def training_rows(loaded, exs) -> list[BlockExample]:
     """One single-block ``BlockExample`` per example: the prompt ids, response = answer + the first end id."""
-    return [BlockExample([prompt_ids(loaded, ex.prompt)],
+    return [BlockExample([list(user_prompt(loaded, ex.prompt).ids)],
                          [*encode_content(loaded.tokenizer, ex.answer), loaded.eos_ids[0]]) for ex in exs]
 
 
 def answer(loaded, model, exs, *, max_new_tokens: int, batch_size: int, cache: Path, key: str) -> list[str]:
     """Greedy replies of ``model`` to ``exs`` (cached in ``cache`` under the weights' fingerprint)."""
-    prompts = [[prompt_ids(loaded, ex.prompt)] for ex in exs]
+    prompts = [[list(user_prompt(loaded, ex.prompt).ids)] for ex in exs]
     keys = [hashlib.sha256(json.dumps([key, max_new_tokens, p]).encode()).hexdigest() for p in prompts]
     by_key = dict(zip(keys, prompts))
     return memo_json(cache, keys, lambda todo: greedy_replies(loaded, model, [by_key[k] for k in todo],

@@ -27,7 +27,8 @@ from rag_jax.evaluation.tables import table
 from rag_jax.inference.rapid import decode_bytes, rapid_generate
 from rag_jax.model.load import load_model
 from rag_jax.recipes.em_llm.long_context import full_generate
-from rag_jax.recipes.em_llm.tasks import FILLERS, MAX_NEW_TOKENS, user_prompt, make_prompts, score
+from rag_jax.inference.chat import user_prompt
+from rag_jax.recipes.em_llm.tasks import FILLERS, MAX_NEW_TOKENS, make_prompts, score
 from rag_jax.retrieval.lexical import BM25Index
 
 TASKS = ("haystack", "passkey_once", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
