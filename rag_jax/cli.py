@@ -29,6 +29,7 @@ EVALS = {
     "long_context": "rag_jax.recipes.em_llm.long_context",
     "needles": "rag_jax.recipes.needles.needles",
     "passkey": "rag_jax.recipes.em_llm.passkey",
+    "rag_scaling": "rag_jax.recipes.rag_scaling.rag_scaling",
     "rapid": "rag_jax.recipes.rapid.rapid",
     "rag_qa": "rag_jax.evaluation.rag_qa",
     "retrieval_nq": "rag_jax.evaluation.retrieval_nq",

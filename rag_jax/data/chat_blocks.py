@@ -40,9 +40,14 @@ class ChatBlocks:
             raise ValueError(f"chat template of {loaded.source}: {e}") from None
         self.tokenizer = loaded.tokenizer
 
-    def blocks(self, question: str, passages: Sequence[str]) -> list[list[int]]:
-        """``[head + instruction, passage_1, ..., passage_k, question + template tail]`` as token ids; the
-        template's head and tail are markup, the instruction, passages and question content."""
+    def blocks(self, question: str, passages: Sequence[str], *, demonstrations: Sequence[str] = (),
+               reply_prefix: str = "") -> list[list[int]]:
+        """``[head + instruction, demonstration_1, ..., demonstration_m, passage_1, ..., passage_k, question +
+        template tail + reply_prefix]`` as token ids; the template's head and tail are markup, everything else
+        content (``demonstrations``: in-context examples already written out, one block each, as DRAG puts
+        them before the documents; ``reply_prefix``: the start of the assistant's reply, e.g. IterDRAG's
+        earlier sub-queries and answers)."""
         return [encode_pieces(self.tokenizer, [self.head, INSTRUCTION]).ids,
+                *[encode_content(self.tokenizer, d) for d in demonstrations],
                 *[encode_content(self.tokenizer, PASSAGE.format(text=p.strip())) for p in passages],
-                encode_pieces(self.tokenizer, [QUESTION.format(question=question), self.tail]).ids]
+                encode_pieces(self.tokenizer, [QUESTION.format(question=question), self.tail, reply_prefix]).ids]
