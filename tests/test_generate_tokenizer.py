@@ -88,7 +88,8 @@ def test_byte_tokenizer_ids_are_utf8_bytes(tmp_path):
 def test_decode_step_equals_the_whole_sequence_forward(window):
     """``Transformer.decode`` over a ``DecodeCache`` (keys rotated once, heads first) gives the logits of the
     whole-sequence causal forward at each new token, for left-padded ragged rows and with sliding-window
-    layers; the cache it returns holds the new token's rotated key at its slot."""
+    layers; the cache it returns holds the new token's rotated key at its slot; several tokens per call (a
+    verification step) give the same logits and cache."""
     import dataclasses
 
     import jax
@@ -120,3 +121,12 @@ def test_decode_step_equals_the_whole_sequence_forward(window):
     np.testing.assert_allclose(np.asarray(cache.k[-1])[:, :, -1], np.asarray(apply_rope(
         x, jnp.asarray(pos[:, -1:]), m.inv_freq))[:, 0], atol=1e-5)
     np.testing.assert_array_equal(cache.segment_ids, (np.arange(s + new)[None] >= pad[:, None]))
+    # the same new tokens in one call ([batch, s] tokens: a speculative verification step), then split 1 + 3
+    _, start, _ = prefill(m, jnp.asarray(tokens[:, :s]), jnp.asarray(pos[:, :s]), jnp.asarray(seg[:, :s]), None, new)
+    many, cache2 = m.decode(jnp.asarray(tokens[:, s:]), jnp.asarray(pos[:, s:]), start, jnp.int32(s))
+    np.testing.assert_allclose(many, whole[:, s:], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(cache2.k[-1]), np.asarray(cache.k[-1]), atol=1e-5)
+    one, part = m.decode(jnp.asarray(tokens[:, s]), jnp.asarray(pos[:, s]), start, jnp.int32(s))
+    rest, _ = m.decode(jnp.asarray(tokens[:, s + 1:]), jnp.asarray(pos[:, s + 1:]), part, jnp.int32(s + 1))
+    np.testing.assert_allclose(np.concatenate([np.asarray(one)[:, None], rest], 1), whole[:, s:], atol=2e-5,
+                               rtol=2e-5)

@@ -17,11 +17,12 @@ restricted to the drafter's plausible tokens). A drafted token ``x`` is accepted
 accepts a drafted token when it is the argmax of ``p~`` and otherwise emits that argmax: with ``eta = 0`` the
 output is the target's own greedy output, token for token.
 
-``rapid_generate`` runs the loop for one prompt over the existing fixed-size decode caches
-(``inference.generate.prefill``/``decode_step``, jitted once per model and cache size). The target verifies the
-drafted tokens one decode step at a time, so on this CPU the loop measures acceptance and quality, not the
-speed-up (which needs a multi-token verification step); ``decode_bytes`` gives the bytes each decode step reads,
-from which the context length where speculation can pay is computed.
+``rapid_generate`` runs the loop for one prompt over the fixed-size decode caches (``inference.generate.prefill``,
+``Transformer.decode``, jitted once per model, cache size and token count). The drafter decodes one token at a
+time; the target verifies a whole round in one decode call of ``gamma + 1`` tokens (the token emitted at the end
+of the last round, which it has not read yet, and the drafts), as speculative decoding needs to pay: one read of
+the target's weights and long KV cache per round instead of per token. ``decode_bytes`` gives the bytes each
+decode step reads, from which the context length where speculation can pay is computed.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def decode_bytes(config, context_tokens: int, dtype_bytes: int = 4) -> dict[str,
 @dataclasses.dataclass
 class RapidStats:
     """Attributes: rounds (draft-verify rounds), drafted / accepted (drafted tokens and those kept),
-    target_steps / draft_steps (decode steps run), seconds (wall time after both prefills), prefill_seconds."""
+    target_steps / draft_steps (decode calls run: the target's one per round), seconds (wall time after both prefills), prefill_seconds."""
 
     rounds: int = 0
     drafted: int = 0
@@ -133,6 +134,11 @@ def _step(graphdef, state, cache, token, position, slot):
     return decode_step(model, cache, token[None], position[None], slot)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _steps(graphdef, state, cache, tokens, positions, slot):
+    return nnx.merge(graphdef, state).decode(tokens[None], positions[None], cache, slot)
+
+
 class _Stream:
     """One model decoding one sequence over a fixed ``DecodeCache``: ``logits`` predict the next token; ``feed``
     appends a token; ``rewind(n)`` drops the last ``n`` fed tokens (their slots are rewritten later and, being
@@ -150,6 +156,16 @@ class _Stream:
         self.fed += 1
         self.logits = np.asarray(logits[0], np.float64)
         return self.logits
+
+    def feed_many(self, tokens: Sequence[int]) -> np.ndarray:
+        """Append ``tokens`` in one decode call; float64 ``[len(tokens), vocab]``: the logits after each."""
+        at = self.next_position + self.fed
+        logits, self.cache = _steps(self.graphdef, self.state, self.cache, jnp.asarray(tokens, jnp.int32),
+                                    jnp.arange(at, at + len(tokens), dtype=jnp.int32), jnp.int32(self.first + self.fed))
+        self.fed += len(tokens)
+        rows = np.asarray(logits[0], np.float64)
+        self.logits = rows[-1]
+        return rows
 
     def rewind(self, n: int, logits: np.ndarray):
         self.fed -= n
@@ -208,6 +224,7 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
     stats = RapidStats(prefill_seconds=time.perf_counter() - t0)
     t0 = time.perf_counter()
     out: list[int] = []
+    pending = None                        # the token emitted last, not yet read by the target
     while len(out) < max_new_tokens and not (out and out[-1] in eos):
         stats.rounds += 1
         drafts, qs = [], []
@@ -218,7 +235,8 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
                 dft.feed(drafts[-1])
                 stats.draft_steps += 1
         stats.drafted += gamma
-        emitted, accepted = _verify(tgt, drafts, qs, rule, pick, eos, max_new_tokens - len(out), stats)
+        emitted, accepted, pending = _verify(tgt, pending, drafts, qs, rule, pick, eos, max_new_tokens - len(out),
+                                             stats)
         stats.accepted += accepted
         # The drafter fed drafts[:gamma-1]; keep those accepted (its logits after them are qs[keep]), feed the rest.
         keep = min(accepted, gamma - 1)
@@ -231,22 +249,26 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
     return out[:max_new_tokens], stats
 
 
-def _verify(tgt: _Stream, drafts, qs, rule, pick, eos, room: int, stats: RapidStats) -> tuple[list[int], int]:
-    """One verification round: the target checks ``drafts`` in order (``rule``), feeding each emitted token; stops
-    at the first rejection (emitting the replacement), an end token or ``room`` tokens; after a fully accepted
-    round it emits one more token of its own (``pick``). Returns ``(emitted tokens, drafted tokens accepted)``."""
+def _verify(tgt: _Stream, pending, drafts, qs, rule, pick, eos, room: int, stats: RapidStats):
+    """One verification round in one target call: the target reads ``pending`` (the last round's final token,
+    None in the first round) and every drafted token, then checks ``drafts`` in order (``rule``) against its logits
+    before each; it stops at the first rejection (emitting the replacement), an end token or ``room`` tokens, and
+    after a fully accepted round emits one more token of its own (``pick``). The rejected drafts are rewound out of
+    its cache. Returns ``(emitted tokens, drafted tokens accepted, the new pending token or None)``."""
+    fed = ([] if pending is None else [pending]) + list(drafts)
+    before = tgt.logits
+    rows = tgt.feed_many(fed)
+    stats.target_steps += 1
+    if pending is not None:
+        before, rows = rows[0], rows[1:]
     emitted, accepted = [], 0
-    for x, q in zip(drafts, qs):
-        ok, replacement = rule(x, tgt.logits, q)
-        token = x if ok else replacement
-        emitted.append(token)
+    for x, q, p in zip(drafts, qs, [before, *rows[:-1]]):
+        ok, replacement = rule(x, p, q)
+        emitted.append(x if ok else replacement)
         accepted += ok
-        tgt.feed(token)
-        stats.target_steps += 1
-        if not ok or token in eos or len(emitted) >= room:
-            return emitted, accepted
-    if drafts[-1] not in eos and len(emitted) < room:
-        emitted.append(pick(tgt.logits))
-        tgt.feed(emitted[-1])
-        stats.target_steps += 1
-    return emitted, accepted
+        if not ok or emitted[-1] in eos or len(emitted) >= room:
+            break
+    else:
+        emitted.append(pick(rows[-1]))
+    tgt.rewind(len(drafts) - accepted, rows[accepted - 1] if accepted else before)
+    return emitted, accepted, (emitted[-1] if len(emitted) > accepted else None)

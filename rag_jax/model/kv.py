@@ -114,8 +114,8 @@ class DecodeCache:
                            positions=segment.positions, segment_ids=segment.segment_ids)
 
     def write(self, layer: int, k, v, slot) -> tuple[jnp.ndarray, jnp.ndarray]:
-        """Layer ``layer``'s keys and values with rotated ``k`` / ``v [batch, 1, num_kv_heads, head_dim]`` written
-        at token slot ``slot`` (int32 scalar); returns the two updated arrays."""
+        """Layer ``layer``'s keys and values with rotated ``k`` / ``v [batch, s, num_kv_heads, head_dim]`` written
+        at token slots ``slot .. slot + s - 1`` (``slot`` an int32 scalar); returns the two updated arrays."""
         def put(cache, x):
             return jax.lax.dynamic_update_slice_in_dim(cache, jnp.swapaxes(x, 1, 2).astype(cache.dtype), slot, axis=2)
         return put(self.k[layer], k), put(self.v[layer], v)

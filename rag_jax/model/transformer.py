@@ -310,27 +310,24 @@ class Transformer(nnx.Module):
         return self._layers(tokens, positions, segment_ids, mode, is_global, None, inputs_embeds)[0]
 
     def decode(self, tokens, positions, cache: DecodeCache, slot, attend=None) -> tuple[jax.Array, DecodeCache]:
-        """One new token per row: its keys and values written into ``cache`` at token slot ``slot`` (empty in
-        every row), attended with the whole cache in causal order (``attention.attend_cache``).
-
-        Args:
-          tokens, positions: int32 ``[batch]`` token ids and RoPE positions.
-          cache: a ``DecodeCache`` (``DecodeCache.from_segment`` of the prompt's KV plus empty slots).
-          slot: int32 scalar, the slot written (every filled slot before it is attended).
-          attend: ``attend(layer, q, kt, vt, mask)`` in place of exact ``attend_cache`` (``inference.magicpig``).
-
-        Returns ``(logits float32 [batch, vocab], the cache with the slot filled)``; the same values as
-        ``__call__`` on the token with the cache as a ``KVSegment``, without re-rotating the cached keys.
-        """
-        batch = tokens.shape[0]
-        pos = positions.astype(jnp.int32)[:, None]
+        """New tokens written into ``cache`` from token slot ``slot`` on (empty in every row), attended with the
+        whole cache in causal order (``attention.attend_cache``): one per row, or ``s`` consecutive ones (a
+        speculative verification step checks ``s`` drafted tokens in one call). Args: ``tokens``, ``positions``
+        int32 ``[batch]`` or ``[batch, s]``; ``cache`` a ``DecodeCache`` (``DecodeCache.from_segment`` of the
+        prompt's KV plus empty slots); ``slot`` int32 scalar, the first slot written (every filled slot before it
+        is attended); ``attend(layer, q, kt, vt, mask)`` in place of exact ``attend_cache`` (``magicpig``).
+        Returns ``(logits float32 [batch, vocab] or [batch, s, vocab], the cache with the slots filled)``, the
+        values of ``__call__`` on the tokens with the cache as a ``KVSegment``, without re-rotating it."""
+        chunk = tokens.ndim == 2
+        tokens, pos = (tokens, positions.astype(jnp.int32)) if chunk else (tokens[:, None], positions[:, None])
+        batch, s = tokens.shape
         segment_ids = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, jnp.ones_like(pos), slot, axis=1)
-        kv_pos = jax.lax.dynamic_update_slice_in_dim(cache.positions, pos, slot, axis=1)
+        kv_pos = jax.lax.dynamic_update_slice_in_dim(cache.positions, pos.astype(jnp.int32), slot, axis=1)
         masks = self._layer_masks("causal", lambda w: MaskSpec.create(
-            "causal", jnp.ones((batch, 1), jnp.int32), segment_ids, q_order=jnp.full((batch, 1), slot),
+            "causal", jnp.ones((batch, s), jnp.int32), segment_ids, q_order=jnp.broadcast_to(slot + jnp.arange(s), (batch, s)),
             q_positions=pos, kv_positions=kv_pos, sliding_window=w).dense())
         cos, sin = rope_angles(pos, self.inv_freq)
-        x = self.embed(tokens[:, None])
+        x = self.embed(tokens)
         ks, vs = [], []
         for i, mask in enumerate(masks):
             layer = self.layer(i)
@@ -340,8 +337,9 @@ class Transformer(nnx.Module):
             x = layer.finish(x, attend_cache(q, k, v, mask) if attend is None else attend(i, q, k, v, mask))
             ks.append(k)
             vs.append(v)
-        logits = self.logits(self.final_norm(x))[:, -1]
-        return logits, DecodeCache(k=tuple(ks), v=tuple(vs), positions=kv_pos, segment_ids=segment_ids)
+        logits = self.logits(self.final_norm(x))
+        return (logits if chunk else logits[:, -1]), DecodeCache(k=tuple(ks), v=tuple(vs), positions=kv_pos,
+                                                                 segment_ids=segment_ids)
 
     def _layer_groups(self, mode: str) -> list[tuple[int, int, int | None]]:
         """Runs of consecutive layers sharing one sliding window: ``[(start, stop, window)]`` (HF

@@ -8,8 +8,8 @@ articles; ``passkey_once``; the RULER-style ones), ``--samples`` per ``--lengths
 the target alone, the drafter alone (RAG), and RAPID per ``eta``; each reply scored as ``long_context`` scores it.
 Reported: accuracy, RAPID's acceptance rate, decode tokens/s (after both prefills), and the bytes one decode step
 of the target and of the drafter reads (weights + KV), from which the context length where speculation can pay on
-this machine follows (``inference.rapid.decode_bytes``). On this CPU RAPID's target verifies drafted tokens one
-decode step at a time, so tokens/s shows its overhead, not a speed-up.
+this machine follows (``inference.rapid.decode_bytes``). RAPID's target verifies each round in one decode call of
+``gamma + 1`` tokens; the drafter decodes token by token.
 
     rag-jax eval rapid --task haystack --lengths 4096 --samples 5 --etas 0,1 --out runs/rapid/haystack.json
 """
