@@ -96,6 +96,7 @@ BAD_SCRIPT_INPUT = [
     ("eval", "grit_pretrained", ["--gen-len", "16", "--gen-targets", "gold", "--eval-questions", "2",
                                  "--train-questions", "4", "--gen-train", "2", "--pool", "8", "--no-minilm",
                                  "--cache-dir", "{tmp}/grit"], "--gen-len"),
+    ("eval", "long_context", ["--rag-top-k", "0"], "--rag-top-k"),
     ("eval", "long_context", ["--task", "nosuch"], "--task"),
     ("eval", "needles", ["--dicts", "60,20"], "--dicts"),
     ("eval", "rag_scaling", ["--data", "{tmp}/missing"], "--data"),

@@ -140,3 +140,38 @@ def test_full_attention_reply_may_run_past_the_trained_context(tmp_path):
     assert model.config.max_seq_len == 64                                # the caller's model is unchanged
     longer = Transformer(CFG, rngs=nnx.Rngs(5))                          # same weights, max_seq_len 512
     assert got == long_context.full_generate(dataclasses.replace(loaded, model=longer), ids, 6) and len(got) == 6
+
+
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+        "<|im_start|>assistant\n")
+
+
+def test_rag_methods_read_the_top_chunks_whole_or_as_blocks(tmp_path):
+    """LaRA's RAG side: the short prompt's blocks concatenate to the chat prompt of ``rag_content`` (chosen chunks
+    in the haystack's place, same reply prefix), each rag_* row's reply is that prompt's greedy reply under its
+    attention mode, and a task without a haystack is refused before any compute."""
+    from rag_jax.evaluation.chunk_rag import chunks, rag_blocks, rag_content, top_chunks
+    from rag_jax.evaluation.rag import generate_answers
+    from rag_jax.inference.block_attention import BlockAttention
+
+    loaded = LoadedModel(config=CFG, model=_model(int(np.random.default_rng().integers(1 << 30))), arch="llama",
+                         tokenizer=byte_tokenizer(), chat_template=CHAT, eos_ids=(10,),
+                         special_tokens={"eos_token": "\n"}, source=tmp_path)
+    base = EMLLMConfig(n_init=4, n_local=64, n_mem=64, chunk_size=32, min_block_size=4, max_block_size=16)
+    report = long_context.run(loaded, ["rag_bm25", "rag_bm25_block"], [480], 2, "repeat", base, max_new_tokens=4,
+                              log=lambda *_: None, task="niah_single", rag_top_k=3)
+    prompts = tasks.make_prompts(loaded, "niah_single", 480, 2, 0, "repeat")
+    for prompt in prompts:
+        blocks = rag_blocks(loaded, prompt.parts, prompt.parts[2], 3, prompt.prefix)
+        content = rag_content(prompt.parts, prompt.parts[2], 3)
+        assert [t for b in blocks for t in b] == user_prompt(loaded, content, prompt.prefix).ids
+        assert len(blocks) == 2 + min(3, len(chunks(prompt.parts[1])))
+        kept = top_chunks(chunks(prompt.parts[1]), prompt.parts[2], 3)
+        assert kept == sorted(kept)
+        for mode, method in (("full", "rag_bm25"), ("block", "rag_bm25_block")):
+            row = next(r for r in report["results"] if r["method"] == method and r["key"] == prompt.tag)
+            want = generate_answers(BlockAttention(loaded.model), loaded.tokenizer, [blocks], mode=mode,
+                                    max_new_tokens=4, batch_size=1, eos_id=(10,))[0]
+            assert row["reply"] == want and row["tokens"] == len(prompt.ids)
+    with pytest.raises(ValueError, match="needs a task with a haystack"):
+        long_context.run(loaded, ["rag_minilm"], [400], 1, "repeat", base, task="passkey")

