@@ -50,7 +50,8 @@ def test_blocks_are_the_chat_template_prompt():
     assert bytes(t for b in blocks for t in b).decode() == text
     assert bytes(blocks[1]).decode() == "Document: The hobby of Ada Lee is chess.\n\n"
     assert bytes(blocks[-1]).decode().endswith("<|im_end|>\n<|im_start|>assistant\n")
-    assert real_model.answer_recall("Ada Lee plays Chess and go.", ["chess", "go", "tennis"]) == 2 / 3
+    from rag_jax.evaluation.rag import answer_recall
+    assert answer_recall("Ada Lee plays Chess and go.", ["chess", "go", "tennis"]) == 2 / 3
 
 
 def test_real_track_end_to_end(tmp_path):

@@ -19,6 +19,7 @@ from rag_jax.data.phantom_rag import answer_text, question_block
 from rag_jax.evaluation.timing import median_ms
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.progress import progress_bar
+from rag_jax.retrieval.embedders import BertEmbedder
 from rag_jax.retrieval.lexical import BM25Index
 from rag_jax.retrieval.pipeline import Retriever
 from rag_jax.retrieval.scann_index import ScannConfig, ScannIndex
@@ -64,6 +65,25 @@ def score_answer(prediction: str, golds: Sequence[str], *, golds_are_set: bool =
     return {"em": metrics.exact_match(prediction, golds), "f1": metrics.f1_score(prediction, golds),
             "subspan_em": metrics.best_subspan_em(prediction, golds),
             "set_em": max(s["em"] for s in sets), "set_f1": max(s["f1"] for s in sets)}
+
+
+def answer_recall(prediction: str, golds: Sequence[str]) -> float:
+    """Fraction of the gold answers that occur (SQuAD-normalized) in ``prediction``."""
+    return sum(metrics.best_subspan_em(prediction, g) for g in golds) / len(golds)
+
+
+def passage_search(name: str, docs: Sequence[str]):
+    """``(queries, k) -> ids [q][k]`` best first over ``docs``: ``bm25`` (``rag_jax.retrieval.lexical``) or
+    ``minilm`` (MiniLM-L6 embeddings, exact dot-product search over the few hundred passages of a universe).
+    Raises ValueError for another name."""
+    if name == "bm25":
+        index = BM25Index(list(docs))
+        return lambda queries, k: index.search(list(queries), k)[1].tolist()
+    if name != "minilm":
+        raise ValueError(f"retriever {name!r}; valid: bm25, minilm")
+    emb = BertEmbedder()
+    vectors = emb.embed(list(docs))
+    return lambda queries, k: np.argsort(-(emb.embed(list(queries)) @ vectors.T), axis=1, kind="stable")[:, :k].tolist()
 
 
 def mean_scores(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -43,23 +43,17 @@ from rag_jax.data.chat_blocks import ChatBlocks, PASSAGE
 from rag_jax.data.phantom_rag import prepare_data
 from rag_jax.recipes.rag_demo.config import DemoConfig
 from rag_jax.recipes.rag_demo.report import check_output_dir, plots, write_report
-from rag_jax.evaluation.rag import (bm25_eval, generate_answers, mean_scores, per_question, prompt_passages,
+from rag_jax.evaluation.rag import (answer_recall, bm25_eval, generate_answers, mean_scores, per_question, prompt_passages,
                                     retrieval_eval, score_answer, ttft_curve)
 from rag_jax.evaluation.timing import StageTimer
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.kv_store import KVStore
-from rag_jax.metrics import best_subspan_em
 from rag_jax.model import count_params
 from rag_jax.model.load import load_model
 from rag_jax.progress import progress_bar
 from rag_jax.retrieval.embedders import BertEmbedder, embed_texts, minilm_dir
 
 RETRIEVERS = ("minilm", "bm25")  # no trained GRIT embedder on this track
-
-
-def answer_recall(prediction: str, golds: Sequence[str]) -> float:
-    """Fraction of the gold answers that occur (SQuAD-normalized) in ``prediction``."""
-    return sum(best_subspan_em(prediction, g) for g in golds) / len(golds)
 
 
 def run_real(cfg: DemoConfig, model_name: str, *, data_path: str | os.PathLike | None = None,
