@@ -34,6 +34,7 @@ EVALS = {
     "rag_qa": "rag_jax.evaluation.rag_qa",
     "retrieval_nq": "rag_jax.evaluation.retrieval_nq",
     "retrieval_recall": "rag_jax.evaluation.retrieval_recall",
+    "sparse_rag": "rag_jax.recipes.sparse_rag.sparse_rag",
 }
 BENCHES = {name: f"rag_jax.benchmarks.{name}" for name in (
     "accelerator", "attention", "em_llm_bench", "grit_caching", "load_and_speed", "magicpig", "model_vs_torch",

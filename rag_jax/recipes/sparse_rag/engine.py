@@ -49,8 +49,8 @@ def control_ids(tokenizer) -> tuple[int, int, int]:
 def add_control_tokens(loaded):
     """A copy of ``loaded`` (``LoadedModel``) whose tokenizer has ``CONTROL_TOKENS`` as special tokens and whose
     embedding (and untied output head) has their rows: the tokenizer's next free ids, appended to the model's
-    vocabulary where they fall past it. Each new row is the mean of the rows of ``INIT_WORDS``' tokens. The other
-    rows, and so every other token's logits, are unchanged.
+    vocabulary where they fall past it. Each new embedding row (and untied head column) is the mean of those of
+    ``INIT_WORDS``' tokens. The other rows, and so every other token's logits, are unchanged.
 
     Raises:
       ValueError: the tokenizer has one of the tokens already, or more tokens than the model has rows.
@@ -64,20 +64,21 @@ def add_control_tokens(loaded):
         raise ValueError(f"tokenizer of {loaded.source} has {size} tokens, the model {cfg.vocab_size} rows")
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
     ids = [tok.token_to_id(t) for t in CONTROL_TOKENS]
-    model = nnx.merge(*nnx.split(loaded.model))             # new arrays, the caller's model untouched
+    model = nnx.clone(loaded.model)                         # the caller's model untouched
     emb = np.asarray(model.embedding[...], np.float32)
-    rows = [emb[loaded.tokenizer.encode(w, add_special_tokens=False).ids].mean(axis=0) for w in INIT_WORDS]
+    init = [loaded.tokenizer.encode(w, add_special_tokens=False).ids for w in INIT_WORDS]
+    rows = [emb[i].mean(axis=0) for i in init]
     vocab = max(cfg.vocab_size, max(ids) + 1)
     new = np.zeros((vocab, emb.shape[1]), np.float32)
     new[:len(emb)] = emb
     new[ids] = rows
-    model.embedding.value = new.astype(model.embedding[...].dtype)
+    model.embedding.set_value(new.astype(model.embedding[...].dtype))
     if not cfg.tie_embeddings:
         head = np.asarray(model.lm_head[...], np.float32)
         grown = np.zeros((head.shape[0], vocab), np.float32)
         grown[:, :head.shape[1]] = head
-        grown[:, ids] = np.stack(rows, axis=1)
-        model.lm_head.value = grown.astype(model.lm_head[...].dtype)
+        grown[:, ids] = np.stack([head[:, i].mean(axis=1) for i in init], axis=1)
+        model.lm_head.set_value(grown.astype(model.lm_head[...].dtype))
     model.config = cfg.replace(vocab_size=vocab)
     return dataclasses.replace(loaded, config=model.config, model=model, tokenizer=tok)
 
