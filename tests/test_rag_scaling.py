@@ -160,11 +160,13 @@ def test_ragged_scores_hand_computed():
     ks = [0, 1, 2, 4, 8, 16]
     s = ragged_scores(ks, _rows([4, 12, 20, 24, 24, 8]))
     assert s["k_star"] == 4 and s["peak"] == pytest.approx(0.6)
-    assert s["stability"] == pytest.approx((0.5 + 0.6 + 0.6) / 3 / 0.6)     # ks 2, 4, 8 lie within [2, 8]
+    assert s["stability"] == pytest.approx((0.5 + 0.6 + 0.6) / 3 / 0.6)     # k* = 4 and its neighbours 2, 8
     x, y = np.array([0.0, 1, 2]), np.array([0.3, 0.5, 0.6])                  # log2 k for k = 1, 2, 4
     assert s["scalability"] == pytest.approx(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
     assert s["behaviour"] == "peak then decline" and s["decline_p"] < 1e-4   # 16 vs 0 discordant
-    assert ragged_scores(ks, _rows([4, 12, 20, 24, 24, 23]))["behaviour"] == "improve then plateau"
+    plateau = ragged_scores(ks, _rows([4, 12, 20, 24, 24, 23]))
+    assert plateau["behaviour"] == "improve then plateau" and plateau["stability"] == pytest.approx((20 + 24 + 24) / 72)
+    assert ragged_scores([0, 1, 3], _rows([4, 8, 6]))["stability"] == pytest.approx((8 + 6) / 16)  # k* = 1: no k=0
     assert ragged_scores(ks, _rows([10, 11, 10, 12, 11, 10]))["behaviour"] == "no gain from retrieval"
     with pytest.raises(ValueError, match="strictly increasing"):
         ragged_scores([0, 2, 1], _rows([1, 2, 3]))

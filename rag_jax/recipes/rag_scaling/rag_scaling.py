@@ -67,7 +67,7 @@ def load_data(args):
     task = TaskConfig(questions=args.questions, max_hops=args.max_hops, num_passages=max(args.ks + [1]))
     data = prepare_data(UniverseConfig(), task, folder)
     facts = FactBase.from_articles({"title": a.title, "facts": a.facts} for a in load_phantomwiki(folder).articles)
-    pool = sorted(data.train_questions, key=lambda q: q["hops"] < 2)[:max(args.ms + args.iter_ms + [0])]
+    pool = sorted(data.train_questions, key=lambda q: q["hops"] < 2)[:max(args.ms + args.iter_ms + args.time_ms)]
     return folder, data, facts, pool
 
 
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
         rows = [run_config(runners(retriever, mode), "DRAG", questions, k, 0, 1) for k in args.ragged_ks]
         summary = ragged_scores(args.ragged_ks, [x["per_question"] for x in rows])
         report["ragged"].append({"retriever": retriever, "mode": mode, "ks": args.ragged_ks, **summary,
-                                 "seconds": sum(x["seconds"] for x in rows)})
+                                 "correct": [x["per_question"] for x in rows], "seconds": sum(x["seconds"] for x in rows)})
         print(f"  RAGGED {retriever:6s} {mode:5s} " + " ".join(f"{a:.3f}" for a in summary["accuracy"])
               + f"  -> {summary['behaviour']}", flush=True)
         save()

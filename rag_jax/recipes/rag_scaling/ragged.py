@@ -5,8 +5,9 @@ stability score and a scalability coefficient. This module's operationalisation,
 (k = 0, closed book, included) with per-question correctness:
 
 - ``k*``: the depth of the highest accuracy (the smallest such k).
-- **stability**: the mean of ``acc(k) / acc(k*)`` over the grid depths within a factor 2 of ``k*`` on either
-  side (a symmetric window on the log-k grid, ``k*`` itself included); 1 = flat around the peak.
+- **stability**: the mean of ``acc(k) / acc(k*)`` over ``k*`` and its neighbouring retrieving depths on the grid,
+  one step either side (a symmetric window; on a log-spaced grid, a factor of about 3 each way); 1 = flat around
+  the peak.
 - **scalability**: accuracy gained per doubling of k from the smallest retrieving depth to ``k*`` (least-squares
   slope against log2 k; 0 when ``k*`` is the smallest retrieving depth or closed book).
 - **behaviour**: ``peak then decline`` when the deepest k is below ``k*`` by a significant exact McNemar test
@@ -44,7 +45,7 @@ def ragged_scores(ks: Sequence[int], correct: Sequence[Sequence[bool]], alpha: f
     retrieving = [j for j, k in enumerate(ks) if k > 0]
     star = max(retrieving, key=lambda j: (acc[j], -j))
     k_star, peak = ks[star], float(acc[star])
-    window = [j for j in retrieving if k_star / 2 <= ks[j] <= 2 * k_star]
+    window = [j for j in retrieving if abs(j - star) <= 1]
     stability = float(np.mean(acc[window] / peak)) if peak > 0 else float("nan")
     up = [j for j in retrieving if ks[j] <= k_star]
     scalability = (float(np.polyfit(np.log2([ks[j] for j in up]), acc[up], 1)[0]) if len(up) > 1 else 0.0)
