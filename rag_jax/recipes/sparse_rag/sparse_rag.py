@@ -8,8 +8,8 @@ MiniLM) ranks highest per question, best last in the prompt. Silver relevance la
 it is one of the question's gold passages (the sections its Prolog query reads).
 
 Training rows (``engine.SparseRAG.assessment_example`` / ``answer_example``), per training question: every
-retrieved gold passage rated relevant and ``--negatives`` retrieved others rated irrelevant, and the answer given
-its gold passages among ``--negatives`` others; Block-Attention's 1:1 full/block SFT through ``train/finetune.py``
+retrieved gold passage rated relevant and ``--negatives`` retrieved others rated irrelevant, and (unless
+``--no-train-answers``) the answer given its gold passages among ``--negatives`` others; Block-Attention's 1:1 full/block SFT through ``train/finetune.py``
 on the top ``--top-layers`` layers. ``--steps 0`` evaluates the model as loaded (the control tokens untrained
 unless ``--model`` is a tuned run folder).
 
@@ -23,6 +23,7 @@ token measured on ``--time-prompts`` prompts per condition ((time for T tokens -
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import time
@@ -49,9 +50,10 @@ def retrieved(search, questions, k: int) -> list[list[int]]:
     return [[int(j) for j in r if j >= 0] for r in search([q["question"] for q in questions], k)]
 
 
-def training_examples(engine: SparseRAG, questions, ranked, docs, negatives: int, seed: int) -> list:
-    """Assessment rows (gold retrieved: relevant; ``negatives`` other retrieved: irrelevant) and one answer row
-    (gold passages among ``negatives`` others, shuffled) per question."""
+def training_examples(engine: SparseRAG, questions, ranked, docs, negatives: int, seed: int,
+                      answers: bool = True) -> list:
+    """Assessment rows (gold retrieved: relevant; ``negatives`` other retrieved: irrelevant) and, with ``answers``,
+    one answer row (gold passages among ``negatives`` others, shuffled) per question."""
     rng = random.Random(seed)
     out = []
     for q, r in zip(questions, ranked):
@@ -59,9 +61,10 @@ def training_examples(engine: SparseRAG, questions, ranked, docs, negatives: int
         others = [j for j in r if j not in gold][:negatives]
         out += [engine.assessment_example(q["question"], docs[j], True) for j in r if j in gold]
         out += [engine.assessment_example(q["question"], docs[j], False) for j in others]
-        shown = sorted(gold)[:4] + others
-        rng.shuffle(shown)
-        out.append(engine.answer_example(q["question"], [docs[j] for j in shown], answer_text(q["answer"])))
+        if answers:
+            shown = sorted(gold)[:4] + others
+            rng.shuffle(shown)
+            out.append(engine.answer_example(q["question"], [docs[j] for j in shown], answer_text(q["answer"])))
     return out
 
 
@@ -104,6 +107,9 @@ def parser() -> ScriptParser:
     p.add_argument("--num-passages", type=integer(2), default=10)
     p.add_argument("--negatives", type=integer(0), default=2, help="irrelevant passages per training question")
     p.add_argument("--train-questions", type=integer(1), default=200)
+    p.add_argument("--train-answers", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train the answers from gold + negative passages (off: the assessment rows only, "
+                        "several times shorter)")
     p.add_argument("--eval-questions", type=integer(1), default=40)
     p.add_argument("--steps", type=integer(0), default=100)
     p.add_argument("--batch-size", type=integer(1), default=4)
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
         train_q = data.train_questions[:args.train_questions]
         engine = SparseRAG(loaded, BlockAttention(loaded.model))
         examples = training_examples(engine, train_q, retrieved(search, train_q, args.num_passages), docs,
-                                     args.negatives, args.seed)
+                                     args.negatives, args.seed, args.train_answers)
         fits = [e for e in examples if e.num_tokens <= loaded.config.max_seq_len]
         report["dropped_rows"] = len(examples) - len(fits)          # longer than the model's window
         examples = fits
