@@ -33,7 +33,10 @@ from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.text import encode_content
 
 CONTROL_TOKENS = ("<|assess|>", "<|relevant|>", "<|irrelevant|>")
-INIT_WORDS = ("Is the document relevant?", "Yes", "No")   # each new row: the mean of these words' token rows
+# Each new row: the mean of these phrases' token rows. Phrases of several tokens, so that no new row equals an
+# existing token's row: with a tied output head left frozen (top-layer training) such a pair would always get
+# equal logits, and the new token could never be more likely than the old one.
+INIT_WORDS = ("Is the document relevant?", "Yes, relevant", "No, irrelevant")
 
 
 def control_ids(tokenizer) -> tuple[int, int, int]:
