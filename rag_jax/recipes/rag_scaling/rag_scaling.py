@@ -195,12 +195,10 @@ class Runners:
             self.demos[retriever] = demonstrations(self.pool, train_docs, passage_search(retriever, train_docs),
                                                    self.facts, self.args.demo_docs)
         drag_demos, iter_demos = self.demos[retriever]
-        r = Runner(self.loaded, self.ba, self.docs, self.searches[retriever], drag_demos=drag_demos,
+        return Runner(self.loaded, self.ba, self.docs, self.searches[retriever], drag_demos=drag_demos,
                    iter_demos=iter_demos, mode=mode, max_new_tokens=self.args.max_new_tokens,
                    batch_size=self.args.batch_size, cache=self.args.out / "replies.json",
-                   fingerprint=f"{self.loaded.source}:{self.args.model}")
-        r.retriever = retriever
-        return r
+                   fingerprint=f"{self.loaded.source}:{self.args.model}", retriever=retriever)
 
 
 def main(argv=None) -> int:

@@ -64,16 +64,17 @@ class Runner:
       docs: the passages; search: the retriever over them.
       drag_demos / iter_demos: demonstration texts (``drag_demonstration`` / ``iter_demonstration``), first m used.
       cache: JSON file of replies keyed by a hash of (weights, mode, decoding, prompt ids); None: no cache.
+      retriever: the retriever's name, for reports.
     """
 
     def __init__(self, loaded, ba, docs: Sequence[str], search: Search, *, drag_demos: Sequence[str],
                  iter_demos: Sequence[str], mode: str, max_new_tokens: int, batch_size: int, cache: Path | None,
-                 fingerprint: str):
+                 fingerprint: str, retriever: str = ""):
         self.loaded, self.ba, self.docs, self.search = loaded, ba, list(docs), search
         self.chat = ChatBlocks(loaded)
         self.drag_demos, self.iter_demos = list(drag_demos), list(iter_demos)
         self.mode, self.max_new_tokens, self.batch_size = mode, max_new_tokens, batch_size
-        self.cache, self.fingerprint = cache, fingerprint
+        self.cache, self.fingerprint, self.retriever = cache, fingerprint, retriever
         self.max_len = loaded.config.max_seq_len - max_new_tokens - 2 * ba.pad_multiple
 
     # -- prompts ---------------------------------------------------------------------------------------------
