@@ -208,6 +208,16 @@ def test_own_reply_targets_are_the_base_models_complete_greedy_replies(tmp_path)
     assert out == expected
     again = block_nq.own_reply_examples(dataclasses.replace(loaded, model=None), rows, **args)  # no model: cache only
     assert again == expected
+    # keep_cut (a 2-token cap cuts some replies): those rows come back too, without the end of turn
+    cut_args = {**args, "max_tokens": 2}
+    replies = [generate_answers(ba, loaded.tokenizer, [r.blocks], mode="full", max_new_tokens=2, batch_size=1,
+                                eos_id=(10,))[0] for r in rows]
+    ends = [len(encode(loaded.tokenizer, t)) < 2 for t in replies]
+    expected_all = [BlockExample(r.blocks, (*encode(loaded.tokenizer, t), *((10,) if e else ())))
+                    for r, t, e in zip(rows, replies, ends) if t.strip()]
+    kept = block_nq.own_reply_examples(loaded, rows, **cut_args, keep_cut=True)
+    assert kept == expected_all and any(not e and t.strip() for t, e in zip(replies, ends))
+    assert len(block_nq.own_reply_examples(loaded, rows, **cut_args)) < len(kept)
 
 
 def test_full_mode_is_response_sft_under_causal_attention(tmp_path):

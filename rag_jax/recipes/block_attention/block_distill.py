@@ -96,6 +96,9 @@ def main(argv=None) -> int:
                         "reply (the positions greedy decoding visits; rows whose reply is cut at --target-tokens "
                         "are dropped; replies cached in --cache-dir)")
     p.add_argument("--target-tokens", type=integer(1), default=48, help="with --targets own: reply cap (tokens)")
+    p.add_argument("--keep-cut", action="store_true",
+                   help="with --targets own: keep replies cut at --target-tokens (trained without an end of turn) "
+                        "instead of dropping their rows")
     p.add_argument("--top-layers", type=integer(1), default=d.top_layers)
     p.add_argument("--steps", type=integer(0), default=0, help="distillation steps; 0 = base model only")
     p.add_argument("--batch-size", type=integer(1), default=d.batch_size, help="rows per step")
@@ -213,7 +216,7 @@ def main(argv=None) -> int:
         if args.targets == "own":
             train_rows = own_reply_examples(loaded, train_rows, model_key=str(args.model),
                                             max_tokens=args.target_tokens, batch_size=args.em_batch_size,
-                                            cache=args.cache_dir / "own_replies.json")
+                                            cache=args.cache_dir / "own_replies.json", keep_cut=args.keep_cut)
         seq_len = args.seq_len or max(r.num_tokens for r in train_rows)
         features = features_for(args.train_prefix)
         feats = features.compute(eval_rows, desc="features (held-out rows)")
@@ -226,7 +229,8 @@ def main(argv=None) -> int:
         recipe = {"model": str(args.model), "data": str(args.data), "heldout": args.heldout, "seed": args.seed,
                   "train_rows": args.train_rows, "train_passages": train_passages, **dataclasses.asdict(cfg),
                   **({"train_max_passage": args.train_max_passage} if args.train_max_passage else {}),
-                  **({"targets": "own", "target_tokens": args.target_tokens} if args.targets == "own" else {})}
+                  **({"targets": "own", "target_tokens": args.target_tokens} if args.targets == "own" else {}),
+                  **({"keep_cut": True} if args.keep_cut else {})}
         run_dir = args.cache_dir / f"run_{hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]}"
         print(f"distillation: {len(train_rows)} rows, {np.mean([len(r.blocks) - 2 for r in train_rows]):.1f} "
               f"passages and {np.mean([r.num_tokens for r in train_rows]):.0f} tokens per row; {cfg}; {run_dir}",

@@ -139,9 +139,11 @@ def training_examples(chat, eos_id: int, examples, texts, gold_ids, questions, n
     return out, dropped
 
 
-def own_reply_examples(loaded, rows, *, model_key: str, max_tokens: int, batch_size: int, cache=None) -> list:
+def own_reply_examples(loaded, rows, *, model_key: str, max_tokens: int, batch_size: int, cache=None,
+                       keep_cut: bool = False) -> list:
     """``rows`` (``BlockExample``) with the base model's own greedy full-attention reply to each prompt as the
-    response (+ end of turn), dropping rows whose reply is empty or was cut at ``max_tokens``. Trained on
+    response (+ end of turn), dropping rows whose reply is empty or was cut at ``max_tokens`` (``keep_cut``: a cut
+    reply is kept without the end of turn, so no row teaches stopping mid-sentence). Trained on
     these, block mode learns to answer as full attention does and full mode keeps its reply style (gold NQ
     answers are terser than this chat model's replies: trained on them, the model learned the format before
     the content). Replies are kept in the JSON file ``cache`` when set, keyed by ``model_key`` (the model's
@@ -151,10 +153,10 @@ def own_reply_examples(loaded, rows, *, model_key: str, max_tokens: int, batch_s
     replies = memo_json(cache, keys, lambda todo: greedy_replies(
         loaded, loaded.model, [json.loads(k)[2] for k in todo], max_new_tokens=max_tokens, batch_size=batch_size))
     ok = complete_replies(loaded.tokenizer, replies, max_tokens)
-    out = [BlockExample(r.blocks, (*encode(loaded.tokenizer, t), loaded.eos_ids[0]))
-           for r, t, k in zip(rows, replies, ok) if k and t.strip()]
-    print(f"base-model targets: {len(out)} of {len(rows)} rows kept (reply complete within {max_tokens} "
-          f"tokens)", flush=True)
+    out = [BlockExample(r.blocks, (*encode(loaded.tokenizer, t), *([loaded.eos_ids[0]] if k else [])))
+           for r, t, k in zip(rows, replies, ok) if (k or keep_cut) and t.strip()]
+    print(f"base-model targets: {len(out)} of {len(rows)} rows kept ({sum(ok)} replies complete within "
+          f"{max_tokens} tokens{', cut ones kept without end of turn' if keep_cut else ''})", flush=True)
     return out
 
 
