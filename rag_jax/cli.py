@@ -1,11 +1,11 @@
 """``rag-jax`` command line: the main jobs, evaluations and benchmarks (``python -m rag_jax`` is the same).
 
     rag-jax train --config train/configs/tiny.yaml [key=value ...]   train a model (rag_jax.train.cli)
-    rag-jax demo [key=value ...]                                     the end-to-end demo (rag_jax.recipes.rag_demo)
+    rag-jax demo [--config x.yaml] [key=value ...]                   the end-to-end demo (rag_jax.recipes.rag_demo)
     rag-jax eval NAME [args]                                         an evaluation (EVALS: a paper's recipe or
                                                                      rag_jax.evaluation)
     rag-jax bench NAME [args]                                        a benchmark (rag_jax.benchmarks.NAME)
-    rag-jax index CONFIG.yaml [key=value ...]                        build a retrieval index (rag_jax.retrieval.cli)
+    rag-jax index --config x.yaml [key=value ...]                    build a retrieval index (rag_jax.retrieval.cli)
     rag-jax search OUTPUT_DIR "question" [...]                       query it
     rag-jax smoke                                                    a tiny end-to-end check
 

@@ -49,3 +49,11 @@ def test_bad_paths(tmp_path):
         assert "an embedded model name" in str(e.value) and "HF folder with config.json or a run folder" in str(e.value)
     with pytest.raises(ValueError, match="task.num_passages"):
         rag_settings({"task": {"num_passages": 0}})
+    # the grit section is typed like the others: read back by the class the demo writes it with
+    n = int(np.random.default_rng().integers(1, 999))
+    got = rag_settings({"grit": {"instruction": "Find it", "passage_max_len": n}})
+    assert (got.grit_instruction, got.passage_max_len) == ("Find it", n)
+    with pytest.raises(ValueError, match="grit.passage_len"):
+        rag_settings({"grit": {"passage_len": 64}})
+    with pytest.raises(ValueError, match="grit.passage_max_len"):
+        rag_settings({"grit": {"passage_max_len": 0}})

@@ -95,7 +95,7 @@ def test_cli_build_and_query(tmp_path, capsys):
     config = tmp_path / "retrieval.yaml"
     config.write_text(f"corpus:\n  path: {corpus_file}\n  chunk_tokens: 24\n  overlap: 4\n"
                       f"index:\n  type: exact\noutput: {tmp_path / 'out'}\n")
-    cli.main(["build", str(config), "--no-progress"])
+    cli.main(["build", "--config", str(config), "--no-progress"])
     cli.main(["query", str(tmp_path / "out"), "Who first walked on the moon?", "how is bread made", "-k", "3",
               "--json"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -103,7 +103,7 @@ def test_cli_build_and_query(tmp_path, capsys):
     assert len(lines[0]["hits"]) == 3 and lines[0]["hits"][0]["score"] > lines[0]["hits"][1]["score"]
 
     # Same corpus through the ScaNN index via overrides; the retriever agrees with exact search.
-    cli.main(["build", str(config), "index.type=scann", "index.scann.num_neighbors=5",
+    cli.main(["build", "--config", str(config), "index.type=scann", "index.scann.num_neighbors=5",
               f"output={tmp_path / 'out_scann'}", "--no-progress"])
     exact = Retriever.load(tmp_path / "out").search(["a stringed instrument played with a bow"], 4)
     scann = Retriever.load(tmp_path / "out_scann").search(["a stringed instrument played with a bow"], 4)

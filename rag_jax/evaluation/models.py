@@ -36,6 +36,24 @@ def load_for_eval(path: str | os.PathLike) -> LoadedModel:
 
 
 @dataclasses.dataclass(frozen=True)
+class GritSection:
+    """The ``grit`` section a ``rag-jax demo`` run writes into its ``config.yaml`` for the evaluations that embed
+    with the trained model.
+
+    Attributes:
+      instruction: the query instruction in GRIT embedding mode (documents get none).
+      passage_max_len: passage token limit of the embedding mode (tokens, format prefix included).
+    """
+
+    instruction: str = GRIT_INSTRUCTION
+    passage_max_len: int = 256
+
+    def __post_init__(self):
+        if self.passage_max_len < 1:
+            raise ValueError(f"grit.passage_max_len={self.passage_max_len} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class RagSettings:
     """What a ``rag-jax demo`` run was trained and evaluated with (``config.yaml`` sections ``universe``,
     ``task``, ``retrieval`` and ``grit``); the demo's defaults for any other model."""
@@ -55,9 +73,8 @@ def rag_settings(config: dict[str, Any]) -> RagSettings:
     """
     sections = {name: config_lib.from_dict(cls, config.get(name) or {}, prefix=f"{name}.")
                 for name, cls in (("universe", UniverseConfig), ("task", TaskConfig), ("retrieval", RetrievalConfig))}
-    grit = config.get("grit") or {}
-    return RagSettings(**sections, grit_instruction=grit.get("instruction", GRIT_INSTRUCTION),
-                       passage_max_len=int(grit.get("passage_max_len") or 256))
+    grit = config_lib.from_dict(GritSection, config.get("grit") or {}, prefix="grit.")
+    return RagSettings(**sections, grit_instruction=grit.instruction, passage_max_len=grit.passage_max_len)
 
 
 def load_rag_model(path: str | os.PathLike) -> tuple[LoadedModel, RagSettings]:

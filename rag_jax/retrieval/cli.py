@@ -1,6 +1,6 @@
 """Retrieval CLI: embed a corpus and build an index from a YAML config; query a built index.
 
-    python -m rag_jax.retrieval.cli build CONFIG.yaml [key=value ...]
+    python -m rag_jax.retrieval.cli build --config CONFIG.yaml [key=value ...]
     python -m rag_jax.retrieval.cli query OUTPUT_DIR "a question" ["another" ...] [-k 5] [--json]
 
 Config (every key optional except ``corpus.path`` and ``output``; ``key=value`` overrides use dotted
@@ -161,7 +161,7 @@ def _main(argv: list[str] | None) -> None:
     p = ScriptParser(prog="python -m rag_jax.retrieval.cli", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="embed a corpus and build an index from a config")
-    b.add_argument("config", help="YAML config file")
+    b.add_argument("--config", required=True, help="YAML config file (the one grammar: --config x.yaml key=value)")
     b.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys)")
     b.add_argument("--no-progress", action="store_true")
     q = sub.add_parser("query", help="query a built index")

@@ -44,6 +44,7 @@ from rag_jax.recipes.rag_demo.report import check_output_dir, plots, write_repor
 from rag_jax.evaluation.rag import (bm25_eval, generate_answers, mean_scores, per_question, prompt_passages,
                                     retrieval_eval, score_answer, ttft_curve)
 from rag_jax.evaluation.timing import StageTimer
+from rag_jax.evaluation.models import GritSection
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.kv_store import KVStore
 from rag_jax.model import count_params
@@ -113,7 +114,7 @@ def _train(cfg: DemoConfig, model_cfg: ModelConfig, td, tokenizer, mesh, out: Pa
     task = trainer.Task(loss_fn, td.batch, name="training (GRIT + Block-Attention)", tokenizer=tokenizer,
                         progress_keys=("rep_accuracy", "gen_accuracy"))
     sections = {k: config_lib.to_dict(getattr(cfg, k)) for k in ("universe", "task", "retrieval", "eval")}
-    sections["grit"] = {"instruction": tc.grit_instruction, "passage_max_len": td.passage_max_len}  # for eval scripts
+    sections["grit"] = config_lib.to_dict(GritSection(tc.grit_instruction, td.passage_max_len))  # for eval scripts
     return trainer.run(run_cfg, task, init_params=init_params, mesh=mesh, extra_config=sections)
 
 
