@@ -120,7 +120,7 @@ BAD_SCRIPT_INPUT = [
     ("eval", "grit_eval", ["--modes", "embedding,nosuch"], "--modes"),
     ("eval", "grit_eval", ["--config", "{tmp}/a_folder"], "--config"),
     ("eval", "grit_eval", ["--json", "{tmp}/a_folder"], "--json"),
-    ("eval", "grit_eval", ["steps=nan"], "steps"),
+    ("eval", "grit_eval", ["train.steps=nan"], "train.steps"),
     ("eval", "long_context", ["--lengths", "2048", "0"], "--lengths"),
     ("eval", "long_context", ["--samples", "2.5"], "--samples"),
     ("eval", "long_context", ["--methods", "em_llm", "nosuch"], "--methods"),

@@ -118,8 +118,27 @@ def test_config_defaults_survive_partial_overrides():
     assert (cfg.model.num_layers, cfg.model.hidden_size) == (3, demo.DEMO_MODEL["hidden_size"])
     assert cfg.optimizer.learning_rate == 0.01 and cfg.optimizer.warmup_steps == demo.DEMO_OPTIMIZER["warmup_steps"]
     assert cfg.train.steps == 7 and cfg.retrieval.ks == (1, 2, 5, 10)
+    assert cfg.train.log_every == demo.DEMO_TRAIN["log_every"]          # the demo's trainer defaults kept
     assert demo.load_demo_config(None, ["base=null", "model.preset=tiny"]).model.hidden_size == 64  # the preset
     assert demo.load_demo_config(None).base == demo.DEFAULT_BASE
+
+
+def test_config_train_is_the_trainers_section_and_joint_the_jobs():
+    """``train`` is the one trainer's ``TrainConfig`` (its fields pass through, validated there); the GRIT +
+    Block-Attention fields are the ``joint`` section; trainer fields the demo sets itself are refused."""
+    from rag_jax.train.trainer import TrainConfig
+    cfg = demo.load_demo_config(None, ["train.remat_policy=full", "train.seed=3", "joint.rag_batch_size=16"])
+    assert isinstance(cfg.train, TrainConfig) and (cfg.train.remat_policy, cfg.train.seed) == ("full", 3)
+    assert cfg.joint.rag_batch_size == 16 and cfg.joint.embedding_batch_size == 8
+    with pytest.raises(ValueError, match="unknown config key 'train.rag_batch_size'"):
+        demo.load_demo_config(None, ["train.rag_batch_size=16"])
+    with pytest.raises(ValueError, match="train.remat_policy='most'"):
+        demo.load_demo_config(None, ["train.remat_policy=most"])
+    for key, value in (("global_batch_size", 16), ("objective", "lm_causal"), ("run_dir", "x"), ("grad_accum_steps", 2)):
+        with pytest.raises(ValueError, match=f"train.{key}=.*remove it"):
+            demo.load_demo_config(None, [f"train.{key}={value}"])
+    with pytest.raises(ValueError, match="joint.group_size=0 must be >= 1"):
+        demo.load_demo_config(None, ["joint.group_size=0"])
 
 
 def test_config_base_fixes_model_and_tokenizer():

@@ -330,7 +330,7 @@ class RagTrainingSet:
     A RAG row is ``[passage blocks..., last block] -> answer`` with the question's gold passage(s) among
     ``task.num_passages`` passages (hard negatives and random ones, shuffled: the retriever's top k at
     test time may miss the gold passage and has no fixed order). The last block may first hold up to
-    ``train.max_turns - 1`` answered questions about the same passages (``Question: ...`` /
+    ``joint.max_turns - 1`` answered questions about the same passages (``Question: ...`` /
     ``Answer: ...<eos>`` turns, answer tokens weighted 1 like the response): more answers to learn from per encoded
     passage, which a model trained from scratch needs. Rows with a single question (the inference
     layout) are as frequent as any other turn count.
@@ -339,19 +339,20 @@ class RagTrainingSet:
       data: the task's passages and questions (:func:`prepare_data`).
       tokenizer: a ``tokenizers.Tokenizer`` with the ``<pad>``/``<bos>``/``<eos>`` tokens.
       fmt: GRIT prompt format (:func:`grit_format`).
-      train: the demo's ``train`` section (``rag_jax.recipes.rag_demo.DemoTrainConfig``): batch sizes, ``group_size``,
-        ``seq_len``/``query_max_len``/``passage_max_len`` (0 = from the data), ``lm_weight``, ``max_turns``,
-        ``grit_instruction``, ``seed``.
+      joint: the demo's ``joint`` section (``rag_jax.recipes.rag_demo.config.JointConfig``): batch sizes,
+        ``group_size``, ``seq_len``/``query_max_len``/``passage_max_len`` (0 = from the data), ``lm_weight``,
+        ``max_turns``, ``grit_instruction``.
       num_passages: passages per RAG row (the retriever's k).
+      seed: data order and distractor sampling (the demo's ``train.seed``).
 
     Raises:
       ValueError: fewer than ``max(2, embedding_batch_size)`` questions fit ``seq_len`` with their gold passages.
     """
 
-    def __init__(self, data: RagData, tokenizer, fmt, train, num_passages: int):
+    def __init__(self, data: RagData, tokenizer, fmt, joint, num_passages: int, seed: int):
         import grain
 
-        tc, k = train, num_passages
+        tc, k = joint, num_passages
         texts = [p["text"] for p in data.train_passages]
         tokens = [tuple(encode(tokenizer, t)) for t in texts]
         lengths = np.asarray([len(t) for t in tokens])
@@ -374,9 +375,9 @@ class RagTrainingSet:
         self.questions = [data.train_questions[j] for j in keep]
         q_tokens, a_tokens = [q_tokens[j] for j in keep], [a_tokens[j] for j in keep]
         if len(self.questions) < max(2, tc.embedding_batch_size):
-            raise ValueError(f"only {len(self.questions)} training questions fit train.seq_len={self.seq_len} tokens "
+            raise ValueError(f"only {len(self.questions)} training questions fit joint.seq_len={self.seq_len} tokens "
                              f"with their gold passages; need >= {max(2, tc.embedding_batch_size)} "
-                             "(raise train.seq_len or lower train.embedding_batch_size)")
+                             "(raise joint.seq_len or lower joint.embedding_batch_size)")
         self.dropped = len(data.train_questions) - len(self.questions)
         by_passage: dict[int, list[int]] = {}
         for j, q in enumerate(self.questions):
@@ -406,8 +407,8 @@ class RagTrainingSet:
         def rag_batch(rows):  # answers of the earlier turns are targets too; passage tokens weigh lm_weight
             return weighted_rag_batch(rows, self.seq_len, passage_weight=lm_weight)  # passage tokens: next-token loss on the documents
 
-        self.rag = (grain.MapDataset.source(list(range(len(self.questions)))).shuffle(seed=tc.seed).repeat(None)
-                    .random_map(rag_row, seed=tc.seed)
+        self.rag = (grain.MapDataset.source(list(range(len(self.questions)))).shuffle(seed=seed).repeat(None)
+                    .random_map(rag_row, seed=seed)
                     .batch(tc.rag_batch_size, drop_remainder=True, batch_fn=rag_batch))
         # GRIT negatives: the gold passage's hard negatives (same person, other sections; mentions) and as
         # many passages of the same section about other people. Without the latter, "which section"
@@ -417,7 +418,7 @@ class RagTrainingSet:
         for i, p in enumerate(data.train_passages):
             sections.setdefault(p["section"], []).append(i)
         records = []
-        shuffle = random.Random(tc.seed)
+        shuffle = random.Random(seed)
         for q in self.questions:
             g = q["gold"][0]
             hard = [i for i in negatives[g] if i not in q["gold"]]
@@ -428,7 +429,7 @@ class RagTrainingSet:
             records.append({"query": [tc.grit_instruction, q["question"]], "pos": [texts[i] for i in q["gold"]],
                             "neg": [texts[i] for i in negs]})
         gcfg = GritDataConfig(embedding_batch_size=tc.embedding_batch_size, group_size=tc.group_size,
-                              query_max_len=self.query_max_len, passage_max_len=self.passage_max_len, seed=tc.seed)
+                              query_max_len=self.query_max_len, passage_max_len=self.passage_max_len, seed=seed)
         self.grit = embedding_dataset(records, tokenizer, gcfg, fmt)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:

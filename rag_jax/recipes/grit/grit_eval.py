@@ -18,7 +18,7 @@ reference, and teacher-forced generation loss / next-token accuracy on held-out 
 
     rag-jax eval grit_eval       # CPU default (train/configs/grit_cpu.yaml): ~20 min on 2 busy CPU cores
     rag-jax eval grit_eval --config train/configs/grit_tiny.yaml --no_minilm   # smoke run, ~2 min
-    rag-jax eval grit_eval steps=400 data.embedding_batch_size=32               # key=value overrides
+    rag-jax eval grit_eval train.steps=400 data.embedding_batch_size=32               # key=value overrides
 """
 from __future__ import annotations
 
@@ -56,9 +56,8 @@ class GritRunConfig:
       model, mesh, optimizer: as the project's training runs.
       grit: the objective (``GritConfig``); its ``mode`` is overridden per compared model.
       data: batch sizes / max lengths of the two streams (``GritDataConfig``).
-      steps: optimizer steps per model.
-      seed: init, data order and split seed.
-      precision: ``fp32`` | ``bf16`` | ``bf16_pure`` (``rag_jax.model.config.apply_precision``).
+      train: the one trainer's section (``trainer.TrainConfig``): ``steps`` per model, ``seed`` (init, data order
+        and split), ``precision``, ``remat_policy``, ``log_every``.
       instruction: the query instruction (documents get none, notes §2).
       train_questions / eval_questions: NQ questions used for training / held out.
       corpus_size: passages searched at evaluation (the held-out gold ones plus distractors).
@@ -75,9 +74,7 @@ class GritRunConfig:
     grit: GritConfig = GritConfig()
     data: GritDataConfig = GritDataConfig(embedding_batch_size=16, generative_batch_size=8, group_size=2,
                                           query_max_len=40, passage_max_len=64, generative_max_len=256)
-    steps: int = 400
-    seed: int = 0
-    precision: str = "fp32"
+    train: trainer.TrainConfig = trainer.TrainConfig(steps=400, log_every=25)
     instruction: str = "Retrieve the Wikipedia passage that answers the question"
     train_questions: int = 2000
     eval_questions: int = 200
@@ -90,8 +87,13 @@ class GritRunConfig:
     def __post_init__(self):
         if self.tokenizer_vocab > self.model.vocab_size:
             raise ValueError(f"tokenizer_vocab={self.tokenizer_vocab} exceeds model.vocab_size={self.model.vocab_size}")
-        if self.steps < 1 or self.eval_questions < 1 or self.train_questions < 1:
-            raise ValueError("steps, train_questions and eval_questions must be >= 1")
+        if self.eval_questions < 1 or self.train_questions < 1:
+            raise ValueError("train_questions and eval_questions must be >= 1")
+        for name, value in (("global_batch_size", self.train.global_batch_size), ("objective", self.train.objective),
+                            ("run_dir", self.train.run_dir)):
+            if value != getattr(trainer.TrainConfig(), name):
+                raise ValueError(f"train.{name}={value!r}: set by grit_eval (batches are the data section's, the "
+                                 "objective GRIT's, no run folder); remove it")
         if self.corpus_size < self.eval_questions:
             raise ValueError(f"corpus_size={self.corpus_size} must be >= eval_questions={self.eval_questions}")
 
@@ -124,7 +126,7 @@ def _gen_record(cfg: "GritRunConfig", row: dict) -> dict:
 
 def build_data(cfg: GritRunConfig, rows: list[dict]):
     """Split and format: (embedding records, generative records, eval rows, corpus, gold corpus ids)."""
-    rng = np.random.default_rng(cfg.seed)
+    rng = np.random.default_rng(cfg.train.seed)
     rows = [rows[i] for i in rng.permutation(len(rows))]
     test, train = rows[:cfg.eval_questions], rows[cfg.eval_questions:cfg.eval_questions + cfg.train_questions]
     passages = list(dict.fromkeys(r["passage"] for r in rows))
@@ -167,15 +169,14 @@ def train_tokenizer(cfg: GritRunConfig, rows: list[dict]):
     return train_bpe(texts, cfg.tokenizer_vocab, special_tokens=("<pad>", "<s>", "</s>", "<unk>"))
 
 
-def train_model(cfg: GritRunConfig, mode: str, emb_records, gen_records, tokenizer, log_every: int = 25):
-    """Train one model in GRIT ``mode`` for ``cfg.steps`` steps with the one trainer -> ``(graphdef, params)``."""
+def train_model(cfg: GritRunConfig, mode: str, emb_records, gen_records, tokenizer):
+    """Train one model in GRIT ``mode`` for ``cfg.train.steps`` steps with the one trainer -> ``(graphdef, params)``."""
     mesh = sharding.make_mesh(cfg.mesh)
     loss_fn = GritLoss(dataclasses.replace(cfg.grit, mode=mode), mesh=mesh)
     batches = grit_batches(emb_records if mode != "generative" else None,
                            gen_records if mode != "embedding" else None, tokenizer, cfg.data)
     run_cfg = trainer.RunConfig(model=cfg.model, mesh=cfg.mesh, optimizer=cfg.optimizer,
-                                train=trainer.TrainConfig(steps=cfg.steps, seed=cfg.seed, precision=cfg.precision,
-                                                          log_every=log_every))
+                                train=cfg.train)
     task = trainer.Task(loss_fn, lambda step: next(batches), name=f"GRIT {mode}",
                         progress_keys=("loss_rep", "loss_gen", "rep_accuracy"))
     result = trainer.run(run_cfg, task, mesh=mesh)
@@ -209,7 +210,7 @@ def main(argv=None) -> int:
                         help="comma-separated subset of " + ",".join(MODES))
     parser.add_argument("--no_minilm", action="store_true", help="skip the pretrained MiniLM reference")
     parser.add_argument("--json", type=output_file, default=None, help="write the results table here as JSON")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=200 data.group_size=1")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=200 data.group_size=1")
     args = parser.parse_args(argv)
     cfg = config_lib.load_config(GritRunConfig, args.config, args.overrides)
     modes = args.modes
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
     tokenizer = train_tokenizer(cfg, rows)
     gen, test_gen = fits(gen, tokenizer, cfg), fits(test_gen, tokenizer, cfg)
     print(f"NQ: {len(emb)} train triples, {len(gen)} train pairs, {len(test)} held-out questions "
-          f"({len(test_gen)} pairs), corpus {len(corpus)} passages; {cfg.steps} steps; backend "
+          f"({len(test_gen)} pairs), corpus {len(corpus)} passages; {cfg.train.steps} steps; backend "
           f"{jax.default_backend()} x{jax.device_count()}", flush=True)
     questions = [r["question"] for r in test]
     results = {}

@@ -37,8 +37,8 @@ from pathlib import Path
 from rag_jax import config as config_lib, sharding
 from rag_jax.data.phantom_rag import (RagTrainingSet, answer_text, grit_format, prepare_data, question_block,
                                       rag_example)
-from rag_jax.recipes.rag_demo.config import (DEFAULT_BASE, DEMO_MODEL, DEMO_OPTIMIZER, DemoConfig, TokenizerConfig,
-                                 load_demo_config, resolve_base)
+from rag_jax.recipes.rag_demo.config import (DEFAULT_BASE, DEMO_MODEL, DEMO_OPTIMIZER, DEMO_TRAIN, DemoConfig,
+                                             TokenizerConfig, load_demo_config, resolve_base)
 from rag_jax.recipes.rag_demo.real_model import run_real
 from rag_jax.recipes.rag_demo.report import check_output_dir, plots, write_report
 from rag_jax.evaluation.rag import (bm25_eval, generate_answers, mean_scores, per_question, prompt_passages,
@@ -61,16 +61,16 @@ from rag_jax.train.objectives.grit import GritConfig, GritLoss
 from rag_jax.train.objectives.grit_block import GritBlockLoss
 
 __all__ = ["DemoConfig", "load_demo_config", "resolve_base", "run", "run_cli", "DEFAULT_BASE", "DEMO_MODEL",
-           "DEMO_OPTIMIZER"]
+           "DEMO_OPTIMIZER", "DEMO_TRAIN"]
 
 
 def _mesh(cfg: DemoConfig):
     import jax
 
     devices = jax.devices()
-    n = cfg.train.devices or (1 if devices[0].platform == "cpu" else len(devices))
+    n = cfg.joint.devices or (1 if devices[0].platform == "cpu" else len(devices))
     if n > len(devices):
-        raise ValueError(f"train.devices={n} but only {len(devices)} devices are available")
+        raise ValueError(f"joint.devices={n} but only {len(devices)} devices are available")
     return sharding.make_mesh(cfg.mesh, devices=devices[:n])
 
 
@@ -80,7 +80,7 @@ def _base_model(cfg: DemoConfig, base_dir: Path | None, data, fmt):
         # The prompt and GRIT format strings are in every input: let BPE learn them as a few tokens.
         texts = ([p["text"] for p in data.train_passages] + [q["question"] for q in data.train_questions]
                  + [question_block("") + " " + answer_text(q["answer"]) for q in data.train_questions]
-                 + [fmt.embed_prefix(cfg.train.grit_instruction), fmt.embed_prefix("")] * 8)
+                 + [fmt.embed_prefix(cfg.joint.grit_instruction), fmt.embed_prefix("")] * 8)
         tokenizer = train_bpe(texts, cfg.tokenizer.vocab_size, special_tokens=(PAD, BOS, EOS, "<unk>"))
         vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # a multiple of 64: friendlier matmul shapes
         return tokenizer, cfg.model.replace(vocab_size=vocab), None
@@ -97,19 +97,18 @@ def _base_model(cfg: DemoConfig, base_dir: Path | None, data, fmt):
 
 def _train(cfg: DemoConfig, model_cfg: ModelConfig, td, tokenizer, mesh, out: Path, progress: bool, init_params):
     """Stage 3 through the one trainer; the output folder is the run folder."""
-    tc = cfg.train
+    tc = cfg.joint
     for name, size in (("rag_batch_size", tc.rag_batch_size), ("embedding_batch_size", tc.embedding_batch_size)):
         try:
             sharding.check_global_batch(size, mesh)
         except ValueError as e:
-            raise ValueError(f"train.{name}: {e}") from None
+            raise ValueError(f"joint.{name}: {e}") from None
     loss_fn = GritBlockLoss(GritLoss(GritConfig(mode="embedding", temperature=tc.grit_temperature)),
                             BlockLoss(full_weight=tc.full_weight, block_weight=tc.block_weight), tc.gen_weight)
     run_cfg = trainer.RunConfig(
         model=model_cfg, mesh=cfg.mesh, optimizer=cfg.optimizer,
-        train=trainer.TrainConfig(steps=tc.steps, seed=tc.seed, precision=tc.precision, log_every=tc.log_every,
-                                  run_dir=str(out)),
-        checkpoint=CheckpointConfig(save_every=tc.steps, keep=1, async_save=False),
+        train=dataclasses.replace(cfg.train, run_dir=str(out)),
+        checkpoint=CheckpointConfig(save_every=cfg.train.steps, keep=1, async_save=False),
         logging=trainer.LoggingConfig(progress_bar=progress))
     task = trainer.Task(loss_fn, td.batch, name="training (GRIT + Block-Attention)", tokenizer=tokenizer,
                         progress_keys=("rep_accuracy", "gen_accuracy"))
@@ -148,24 +147,24 @@ def run(cfg: DemoConfig, *, data_path: str | os.PathLike | None = None, out_dir:
     log(f"[2/7] base model and tokenizer: {cfg.base} ({base_dir})" if base_dir else
         f"[2/7] tokenizer: byte-level BPE, vocab {cfg.tokenizer.vocab_size}; model from scratch")
     tokenizer, model_cfg, init_params = _base_model(cfg, base_dir, data, fmt)
-    td = RagTrainingSet(data, tokenizer, fmt, cfg.train, cfg.task.num_passages)
+    td = RagTrainingSet(data, tokenizer, fmt, cfg.joint, cfg.task.num_passages, cfg.train.seed)
     if td.seq_len > model_cfg.max_seq_len:
-        raise ValueError(f"train.seq_len={td.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; raise "
+        raise ValueError(f"joint.seq_len={td.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; raise "
                          "model.max_seq_len or lower task.num_passages")
     timer.stage("tokenizer")
 
     mesh = _mesh(cfg)
     params = count_params(model_cfg)
     log(f"[3/7] training: {params / 1e6:.2f}M-param model ({'fine-tuning ' + cfg.base if cfg.base else 'from scratch'}"
-        f"), {cfg.train.steps} steps, GRIT (contrastive, {cfg.train.embedding_batch_size} queries x "
-        f"{cfg.train.group_size} passages) + Block-Attention ({cfg.train.rag_batch_size} prompts x {td.seq_len} "
+        f"), {cfg.train.steps} steps, GRIT (contrastive, {cfg.joint.embedding_batch_size} queries x "
+        f"{cfg.joint.group_size} passages) + Block-Attention ({cfg.joint.rag_batch_size} prompts x {td.seq_len} "
         f"tokens, full + block passes) on {mesh.size} device(s); run folder {out}")
     result = _train(cfg, model_cfg, td, tokenizer, mesh, out, progress, init_params)
     model = (result.graphdef, result.state.params)
     timer.stage("train")
     # The resolved config: the model actually trained and the data-sized lengths (config.yaml holds the same).
-    resolved = dataclasses.replace(cfg, base=None, model=model_cfg, train=dataclasses.replace(
-        cfg.train, seq_len=td.seq_len, query_max_len=td.query_max_len, passage_max_len=td.passage_max_len),
+    resolved = dataclasses.replace(cfg, base=None, model=model_cfg, joint=dataclasses.replace(
+        cfg.joint, seq_len=td.seq_len, query_max_len=td.query_max_len, passage_max_len=td.passage_max_len),
         tokenizer=TokenizerConfig(vocab_size=tokenizer.get_vocab_size()))
 
     log("[4/7] retrieval: embed held-out passages, ScaNN index, recall@k")
@@ -221,7 +220,7 @@ def _retrieval(cfg: DemoConfig, data, model, tokenizer, td, fmt, have_minilm: bo
         embedders["minilm"] = ("MiniLM-L6 (pretrained)", minilm, minilm.embed)
     grit = GritEmbedder(model, tokenizer, max_length=td.passage_max_len, fmt=fmt)
     embedders["grit"] = ("GRIT (this model)", grit,
-                         lambda x: grit.embed(x, instruction=cfg.train.grit_instruction))
+                         lambda x: grit.embed(x, instruction=cfg.joint.grit_instruction))
     retrieval, ranked = {}, {}
     for key, (name, embed_docs, embed_queries) in embedders.items():
         ranked[key], retrieval[key] = retrieval_eval(

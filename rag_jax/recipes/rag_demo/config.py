@@ -15,6 +15,7 @@ from rag_jax.evaluation.rag import PASSAGE_ORDERS, RetrievalConfig
 from rag_jax.model.config import ModelConfig
 from rag_jax.sharding import MeshConfig
 from rag_jax.train.optim import OptimizerConfig
+from rag_jax.train.trainer import TrainConfig
 
 DEFAULT_BASE = "demo_reader"
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -24,6 +25,13 @@ ASSETS = Path(__file__).resolve().parents[2] / "assets"
 DEMO_MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_seq_len=1024)
 DEMO_OPTIMIZER = dict(learning_rate=3e-3, warmup_steps=20, weight_decay=0.0, min_lr_ratio=0.1)
+DEMO_TRAIN = dict(steps=200, log_every=1)
+# Trainer fields the demo sets itself (a user value would be ignored, so it is refused).
+DEMO_SETS = {"global_batch_size": "the demo's rows per step are joint.rag_batch_size and joint.embedding_batch_size",
+             "grad_accum_steps": "the demo trains without gradient accumulation",
+             "objective": "the demo's objective is GRIT + Block-Attention (joint section)",
+             "eval_every": "the demo evaluates after training (eval section)",
+             "run_dir": "the run folder is --out"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,11 +46,11 @@ class TokenizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DemoTrainConfig:
-    """Joint GRIT + Block-Attention training.
+class JointConfig:
+    """The demo's job section: joint GRIT + Block-Attention training (the trainer's own fields, such as ``steps``,
+    ``seed``, ``precision``, ``remat_policy`` and ``log_every``, are the ``train`` section, ``trainer.TrainConfig``).
 
     Attributes:
-      steps: optimizer steps.
       rag_batch_size: RAG prompts per step (Block-Attention loss, both modes).
       embedding_batch_size: GRIT queries per step (in-batch negatives + hard negatives).
       group_size: GRIT passages per query (1 positive + group_size - 1 hard negatives).
@@ -55,14 +63,10 @@ class DemoTrainConfig:
       gen_weight: λ_Gen of GRIT Eq. 3 (weight of the Block-Attention loss against L_Rep).
       grit_temperature: InfoNCE temperature (GritLM: 0.02; 0.05 trains more stably from scratch).
       grit_instruction: query instruction in GRIT embedding mode (documents get none).
-      precision: ``fp32`` | ``bf16`` | ``bf16_pure`` (``rag_jax.model.config.apply_precision``).
-      seed: init, data order and distractor sampling.
       devices: devices of the training mesh; 0 = 1 on CPU (fake CPU devices do not add compute),
         all devices on GPU/TPU.
-      log_every: steps between loss-curve points.
     """
 
-    steps: int = 200
     rag_batch_size: int = 8
     embedding_batch_size: int = 8
     group_size: int = 2
@@ -76,21 +80,18 @@ class DemoTrainConfig:
     gen_weight: float = 1.0
     grit_temperature: float = 0.05
     grit_instruction: str = GRIT_INSTRUCTION
-    precision: str = "fp32"
-    seed: int = 0
     devices: int = 0
-    log_every: int = 1
 
     def __post_init__(self):
-        for name in ("steps", "rag_batch_size", "embedding_batch_size", "group_size", "log_every", "max_turns"):
+        for name in ("rag_batch_size", "embedding_batch_size", "group_size", "max_turns"):
             if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+                raise ValueError(f"joint.{name}={getattr(self, name)} must be >= 1")
         for name in ("seq_len", "query_max_len", "passage_max_len", "devices"):
             if getattr(self, name) < 0:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0 (0 = automatic)")
+                raise ValueError(f"joint.{name}={getattr(self, name)} must be >= 0 (0 = automatic)")
         for name in ("lm_weight", "full_weight", "block_weight", "gen_weight"):
             if getattr(self, name) < 0:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0")
+                raise ValueError(f"joint.{name}={getattr(self, name)} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +142,17 @@ class DemoConfig:
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEMO_MODEL))
     optimizer: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig(**DEMO_OPTIMIZER))
-    train: DemoTrainConfig = dataclasses.field(default_factory=DemoTrainConfig)
+    train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(**DEMO_TRAIN))
+    joint: JointConfig = dataclasses.field(default_factory=JointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     retrieval: RetrievalConfig = dataclasses.field(default_factory=RetrievalConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 
     def __post_init__(self):
+        for name, why in DEMO_SETS.items():
+            if getattr(self.train, name) != getattr(TrainConfig(), name):
+                raise config_lib.ConfigError(f"train.{name}={getattr(self.train, name)!r}: {why}; remove it")
         fixed = [name for name, default in (("model", ModelConfig(**DEMO_MODEL)), ("tokenizer", TokenizerConfig()))
                  if getattr(self, name) != default]
         if self.base is not None and fixed:
