@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,21 @@ def test_progress_bars_only_on_a_terminal(monkeypatch):
     for _ in progress_bar(range(3), enabled=False, file=off):
         pass
     assert off.getvalue() == ""
+
+
+def test_progress_in_a_log_is_a_line_a_minute(monkeypatch):
+    """A long bar written to a log (not a terminal): whole lines, no carriage returns, one per interval and one
+    at the end; a bar shorter than the interval writes nothing (above)."""
+    from rag_jax import progress
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.05)
+    log = io.StringIO()
+    n = int(np.random.default_rng().integers(3, 6))
+    for _ in progress.progress_bar(range(n), file=log, desc="rows"):
+        time.sleep(0.08)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and 2 <= len(lines) <= n + 1
+    assert lines[-1].startswith("rows: 100%") and f"{n}/{n}" in lines[-1]
+    assert len(set(lines)) == len(lines)                      # a refresh with nothing new is not repeated
 
 
 def test_bm25_writes_no_debug_line_to_the_applications_log():
