@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 from pathlib import Path
 
 from rag_jax.model.load import resolve_model
@@ -89,19 +90,27 @@ def real(lo: float | None = None, hi: float | None = None, *, lo_open: bool = Fa
     return parse
 
 
-def int_list(lo: int | None = None, hi: int | None = None) -> Callable[[str], list[int]]:
-    """Type: comma-separated integers in ``[lo, hi]``, at least one ("1024,4096" -> [1024, 4096])."""
-    one = integer(lo, hi)
-
-    def parse(text: str) -> list[int]:
+def _listed(one: Callable[[str], Any], what: str) -> Callable[[str], list]:
+    def parse(text: str) -> list:
         parts = [p.strip() for p in text.split(",")]
         if not text.strip() or any(not p for p in parts):
-            raise argparse.ArgumentTypeError(f"must be comma-separated integers; got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be comma-separated {what}; got {text!r}")
         try:
             return [one(p) for p in parts]
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentTypeError(f"{e} (in {text!r})") from None
     return parse
+
+
+def int_list(lo: int | None = None, hi: int | None = None) -> Callable[[str], list[int]]:
+    """Type: comma-separated integers in ``[lo, hi]``, at least one ("1024,4096" -> [1024, 4096])."""
+    return _listed(integer(lo, hi), "integers")
+
+
+def real_list(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+              hi_open: bool = False) -> Callable[[str], list[float]]:
+    """Type: comma-separated finite floats in the range of ``real``, at least one ("0,0.5" -> [0.0, 0.5])."""
+    return _listed(real(lo, hi, lo_open=lo_open, hi_open=hi_open), "numbers")
 
 
 def names(choices: Sequence[str]) -> Callable[[str], list[str]]:

@@ -219,3 +219,69 @@ def test_store_is_shared_but_never_stale_across_models(model):
     bf16 = BlockAttention(Transformer(CFG.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), store=store)
     bf16.prefill(blocks)
     assert store.stats["hits"] == 0 and len(store) == 6                 # dtype differs -> miss
+
+
+def _f64_block_logits(model, blocks, key_scale_of):
+    """float64 NumPy forward of a Llama-style model over the concatenated ``blocks`` under Block-Attention's mask
+    (a token of a local block sees its own block; the last block sees everything), with query i's logit to key
+    j multiplied by ``key_scale_of(block of i, block of j)``; logits of the last block."""
+    p = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    owner = np.concatenate([np.full(len(b), i) for i, b in enumerate(blocks)])
+    tokens = np.concatenate(blocks)
+    n, last = len(tokens), len(blocks) - 1
+    pos_q = np.arange(n)                                      # every block at its global offset (re-encoded)
+    allowed = (owner[None, :] == owner[:, None]) | (owner[:, None] == last)
+    allowed &= np.arange(n)[None, :] <= np.arange(n)[:, None]
+    scale = np.array([[key_scale_of(owner[i], owner[j]) for j in range(n)] for i in range(n)])
+
+    def norm(x, w):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + CFG.rms_norm_eps) * w
+
+    x = p["embedding"][tokens]
+    group = CFG.num_heads // CFG.num_kv_heads
+    for layer in p["layers"].values():
+        h = norm(x, layer["input_norm"]["scale"])
+        q = _rope_f64(np.einsum("td,dhk->thk", h, layer["attn"]["wq"])[None], pos_q[None], CFG.rope_theta,
+                      CFG.head_dim)[0]
+        k = _rope_f64(np.einsum("td,dhk->thk", h, layer["attn"]["wk"])[None], pos_q[None], CFG.rope_theta,
+                      CFG.head_dim)[0]
+        v = np.einsum("td,dhk->thk", h, layer["attn"]["wv"])
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        s = np.einsum("qhk,thk->hqt", q, k) / np.sqrt(CFG.head_dim) * scale[None]
+        s = np.where(allowed[None], s, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        x = x + np.einsum("hqt,thk,hkd->qd", w, v, layer["attn"]["wo"])
+        h = norm(x, layer["post_attn_norm"]["scale"])
+        g = h @ layer["mlp"]["gate"]
+        x = x + (g / (1 + np.exp(-g)) * (h @ layer["mlp"]["up"])) @ layer["mlp"]["down"]
+    return (norm(x, p["final_norm"]["scale"]) @ p["lm_head"])[-len(blocks[-1]):]
+
+
+def test_passage_temperature_divides_the_logits_to_passage_keys(model):
+    """``passage_temperature=T``: the last block's (and generated tokens') attention logits to the tokens of
+    blocks 1..n-2 are divided by T; block 0 and the last block's own keys, and each passage's attention inside
+    itself, are not (float64 NumPy reference of the whole model); stored blocks stay unscaled."""
+    rng = np.random.default_rng()
+    blocks = _blocks(rng, 4, max_len=10)
+    t = float(rng.uniform(0.1, 0.25))                         # far from 1: the effect well above tolerance
+    last = len(blocks) - 1
+    ref = _f64_block_logits(model, blocks, lambda i, j: 1 / t if i == last and 0 < j < last else 1.0)
+    plain = _f64_block_logits(model, blocks, lambda i, j: 1.0)
+    np.testing.assert_allclose(_block_mask_logits(model, blocks)[-len(blocks[-1]):], plain, atol=2e-4, rtol=0)
+    store = KVStore(1 << 24)
+    got = np.asarray(BlockAttention(model, store=store, passage_temperature=t).prefill(blocks).logits)
+    np.testing.assert_allclose(got, ref, atol=2e-4, rtol=0)
+    assert np.abs(ref - plain).max() > 20 * np.abs(got - ref).max()   # the temperature changes the logits
+    again = np.asarray(BlockAttention(model, store=store).prefill(blocks).logits)    # store hits: unscaled
+    np.testing.assert_allclose(again, plain, atol=2e-4, rtol=0)
+    # generation: each new token is part of the last block, so it sees the passages through T as well
+    out = BlockAttention(model, store=store, passage_temperature=t).generate([blocks], max_new_tokens=3)[0].tolist()
+    seq = []
+    for _ in range(3):
+        step = _f64_block_logits(model, blocks[:-1] + [blocks[-1] + seq],
+                                 lambda i, j: 1 / t if i == last and 0 < j < last else 1.0)
+        seq.append(int(np.argmax(step[-1])))
+    assert out == seq
+    with pytest.raises(ValueError, match="passage_temperature=0.0 must be > 0"):
+        BlockAttention(model, passage_temperature=0.0)

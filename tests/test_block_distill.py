@@ -306,11 +306,16 @@ def test_em_table_scores_greedy_replies_and_its_reply_cache_is_keyed_by_the_weig
     direct = {mode: [generate_answers(BlockAttention(loaded.model), loaded.tokenizer, [r.blocks], mode=mode,
                                       max_new_tokens=4, batch_size=1, eos_id=(10,))[0] for r in rows]
               for mode in ("full", "block")}
+    direct["T"] = [generate_answers(BlockAttention(loaded.model, passage_temperature=0.05), loaded.tokenizer,
+                                    [r.blocks], mode="block", max_new_tokens=4, batch_size=1, eos_id=(10,))[0]
+                   for r in rows]
     examples = [SimpleNamespace(answers=(direct["full"][i][:2] or "zz",) if i % 2 else ("zz",)) for i in range(5)]
     args = SimpleNamespace(max_new_tokens=4, em_batch_size=3, cache_dir=tmp_path)
-    out = bd.em_table(loaded, {"base": (loaded.model, ["none"])}, examples, list(range(5)), rows, args)
+    out = bd.em_table(loaded, {"base": (loaded.model, [("none", 1.0), ("none", 0.05)])}, examples, list(range(5)),
+                      rows, args)
     assert out["full (base)"]["replies"] == direct["full"]
     assert out["block (base)"]["replies"] == direct["block"]
+    assert out["block, T=0.05 (base)"]["replies"] == direct["T"] != direct["block"]   # its own cache key
     for cond, mode in (("full (base)", "full"), ("block (base)", "block")):
         expect = [bool(best_subspan_em(r, e.answers)) for e, r in zip(examples, direct[mode])]
         assert out[cond]["correct"] == expect and out[cond]["em"] == pytest.approx(np.mean(expect))
@@ -318,9 +323,10 @@ def test_em_table_scores_greedy_replies_and_its_reply_cache_is_keyed_by_the_weig
     calls = []
     monkeypatch.setattr(bd, "generate_answers", lambda ba, tok, prompts, **k: calls.append(len(prompts)) or
                         ["x"] * len(prompts))
-    assert bd.em_table(loaded, {"base": (loaded.model, ["none"])}, examples, list(range(5)), rows, args) == out
+    assert bd.em_table(loaded, {"base": (loaded.model, [("none", 1.0), ("none", 0.05)])}, examples, list(range(5)),
+                       rows, args) == out
     assert not calls                                                    # every reply from the cache
     other = LoadedModel(CFG, _model(12), "LlamaForCausalLM", byte_tokenizer(), TEMPLATE, (10,),
                         {"eos_token": "\n"}, Path("tiny-chat"))
-    again = bd.em_table(other, {"base": (other.model, ["none"])}, examples, list(range(5)), rows, args)
+    again = bd.em_table(other, {"base": (other.model, [("none", 1.0)])}, examples, list(range(5)), rows, args)
     assert calls == [5, 5] and again["full (base)"]["replies"] == ["x"] * 5   # other weights: generated again

@@ -83,6 +83,7 @@ BAD_SCRIPT_INPUT = [
     ("eval", "block_distill", ["--em-questions", "100000"], "--em-questions"),
     ("eval", "block_distill", ["--prefix", "sink,nosuch"], "--prefix"),
     ("eval", "block_distill", ["--train-prefix", "first"], "--train-prefix"),
+    ("eval", "block_distill", ["--passage-temperature", "0.8,0"], "--passage-temperature"),
     ("eval", "block_distill", ["--full-weight", "-1"], "--full-weight"),
     ("eval", "block_distill", ["--top-layers", "30"], "--top-layers"),
     ("eval", "block_distill", ["--lr", "nan"], "--lr"),

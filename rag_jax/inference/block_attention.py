@@ -116,16 +116,23 @@ class BlockAttention:
         slots) to a multiple of this many tokens, so varying lengths reuse compiled shapes.
       prefix: ``"none"`` (every block encoded alone), ``"sink"`` or ``"system"``: blocks after the first are
         encoded after the first block's first token / all of it (``block_prefix.PREFIXES``).
+      passage_temperature: ``T``; in block mode the keys of the blocks after the first are divided by ``T`` when
+        assembled, so every later token's attention logits to passage tokens are divided by ``T`` (APE, Yang et
+        al., ICLR 2025, §3.2: a temperature below 1 sharpens attention over parallel-encoded contexts); 1 = off.
+        Stored blocks are unscaled.
 
     Raises:
-      ValueError: ``pad_multiple < 1`` or an unknown ``prefix``.
+      ValueError: ``pad_multiple < 1``, an unknown ``prefix`` or ``passage_temperature <= 0``.
     """
 
     def __init__(self, model: Transformer | tuple, *, store: KVStore | None = None, max_block_len: int | None = None,
                  max_blocks: int | None = None, marker_ids: Sequence[int] = (), fingerprint: str | None = None,
-                 pad_multiple: int = 16, prefix: str = "none"):
+                 pad_multiple: int = 16, prefix: str = "none", passage_temperature: float = 1.0):
         if pad_multiple < 1:
             raise ValueError(f"pad_multiple={pad_multiple} must be >= 1 tokens")
+        if not passage_temperature > 0:
+            raise ValueError(f"passage_temperature={passage_temperature} must be > 0 (1 = off)")
+        self.passage_temperature = float(passage_temperature)
         prefix_length(prefix, 1)  # validates the name
         self.prefix = prefix
         self.pad_multiple = int(pad_multiple)
@@ -204,6 +211,8 @@ class BlockAttention:
         """
         p = prefix_length(self.prefix, blocks[0].size) if blocks else 0
         segments = [self.block_kv(block, blocks[0][:p] if i and p else None) for i, block in enumerate(blocks)]
+        if self.passage_temperature != 1.0:
+            segments[1:] = [s.replace(k=s.k / jnp.asarray(self.passage_temperature, s.k.dtype)) for s in segments[1:]]
         total = sum(block.size for block in blocks)
         width = _round_up(total, self.pad_multiple) if width is None else width
         if width < total:

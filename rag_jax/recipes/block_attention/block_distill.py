@@ -46,7 +46,7 @@ from flax import nnx
 from rag_jax.atomic import write_text
 from rag_jax.data.chat_blocks import ChatBlocks
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
-from rag_jax.args import ScriptParser, input_file, integer, model_source, names, output_file, real
+from rag_jax.args import ScriptParser, input_file, integer, model_source, names, output_file, real, real_list
 from rag_jax.recipes.block_attention.block_nq import heldout_split, mine_negatives, own_reply_examples, training_examples
 from rag_jax.evaluation.rag import generate_answers, memo_json, score_answer
 from rag_jax.evaluation.stats import mcnemar, paired_difference
@@ -110,6 +110,10 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", type=names(PREFIXES[1:]), default=[],
                    help="training-free rows, comma-separated: sink (every passage block sees block 0's first token), "
                         "system (every passage block sees all of block 0); rag_jax.inference.block_prefix")
+    p.add_argument("--passage-temperature", type=real_list(0, lo_open=True), default=[],
+                   help="training-free EM rows (with --em-questions), comma-separated T values: block mode of the base "
+                        "model (each --prefix too) with attention logits to passage tokens divided by T (APE's "
+                        "temperature; BlockAttention(passage_temperature=T)); not in the log-likelihood table")
     p.add_argument("--train-prefix", choices=PREFIXES, default=d.prefix,
                    help="the block mode the model is distilled in and evaluated with (none = plain block mode)")
     p.add_argument("--delta-rank", type=integer(0), default=32,
@@ -188,7 +192,8 @@ def main(argv=None) -> int:
 
     def run_em():
         base_prefixes = list(dict.fromkeys(["none", *args.prefix]))       # --prefix: training-free rows
-        info["em"] = em_table(loaded, {name: (m, base_prefixes if name == "base" else [tuned_prefix])
+        base_rows = [(q, 1.0) for q in base_prefixes] + [(q, t) for t in args.passage_temperature for q in base_prefixes]
+        info["em"] = em_table(loaded, {name: (m, base_rows if name == "base" else [(tuned_prefix, 1.0)])
                                        for name, m in models.items()},
                               examples, heldout[:args.em_questions], heldout_rows[:args.em_questions], args)
         write_out()                                           # kept if the log-likelihood rows are cut short
@@ -304,9 +309,16 @@ def same_bottom(base, tuned, top_layers: int) -> str | None:
     return f"changes {changed[0]} below the top {top_layers} layers (raise --top-layers)" if changed else None
 
 
+def _condition(name: str, mode: str, prefix: str, t: float) -> str:
+    """A row label of ``em_table``: ``block + sink prefix, T=0.8 (base)``."""
+    label = mode if prefix == "none" else f"block + {prefix} prefix"
+    return f"{label}{f', T={t:g}' if t != 1.0 else ''} ({name})"
+
+
 def em_table(loaded, models: dict, examples, questions, rows, args) -> dict:
-    """Greedy answers to ``rows`` (their blocks) of each model of ``models`` (``{name: (model, prefixes)}``) in
-    full attention and in block attention with each of its ``prefixes``, best-subspan EM per question, printed with
+    """Greedy answers to ``rows`` (their blocks) of each model of ``models`` (``{name: (model, [(prefix, T)])}``) in
+    full attention and in block attention with each of its prefixes and passage temperatures ``T``
+    (``BlockAttention``'s ``passage_temperature``), best-subspan EM per question, printed with
     the exact McNemar test against full attention of the ``"base"`` model; returns ``{condition: {"em",
     "only_this", "only_full_base", "p", "correct", "replies"}}`` (``replies``: the greedy answer strings). Replies are kept in
     ``<args.cache_dir>/em_replies.json``, keyed by a hash of the model's weights, the mode, the prompt and the
@@ -315,29 +327,30 @@ def em_table(loaded, models: dict, examples, questions, rows, args) -> dict:
     prompts = [[list(map(int, b)) for b in r.blocks] for r in rows]
     eos = tuple(loaded.eos_ids)
     fingerprints = {name: model_fingerprint(model, model.config) for name, (model, _) in models.items()}
-    conds = [(name, mode, prefix) for name, (_, prefixes) in models.items()
-             for mode, prefix in [("full", "none")] + [("block", p) for p in prefixes]]
+    conds = [(name, mode, prefix, t) for name, (_, prefixes) in models.items()
+             for mode, prefix, t in [("full", "none", 1.0)] + [("block", p, t) for p, t in prefixes]]
     # Answered first: the reference, then the block modes (tuned models first: the claim), then full attention of
     # tuned models; each condition's replies are cached once complete, so a run cut short keeps those that matter.
-    first = sorted(conds, key=lambda c: (c != ("base", "full", "none"), c[1] == "full", c[0] == "base"))
+    first = sorted(conds, key=lambda c: (c != ("base", "full", "none", 1.0), c[1] == "full", c[0] == "base"))
     correct, replies = {}, {}
-    for name, mode, prefix in first:
+    for name, mode, prefix, t in first:
         model = models[name][0]
-        cond = f"{mode if prefix == 'none' else f'block + {prefix} prefix'} ({name})"
+        cond = _condition(name, mode, prefix, t)
         t0 = time.perf_counter()
         keys = [hashlib.sha256(json.dumps([fingerprints[name], mode, prefix, args.max_new_tokens, list(map(int, eos)),
-                                           b]).encode()).hexdigest() for b in prompts]
+                                           b] + ([t] if t != 1.0 else [])).encode()).hexdigest() for b in prompts]
         by_key = dict(zip(keys, prompts))
         preds = memo_json(args.cache_dir / "em_replies.json", keys, lambda todo: generate_answers(
-            BlockAttention(model, prefix=prefix), loaded.tokenizer, [by_key[k] for k in todo], mode=mode,
+            BlockAttention(model, prefix=prefix, passage_temperature=t), loaded.tokenizer, [by_key[k] for k in todo],
+            mode=mode,
             max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size, eos_id=eos))
         correct[cond] = [bool(score_answer(pr, examples[i].answers, golds_are_set=False)["subspan_em"])
                          for pr, i in zip(preds, questions)]
         replies[cond] = list(preds)
         print(f"  {cond}: EM {np.mean(correct[cond]):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     out, table_rows = {}, []
-    for name, mode, prefix in conds:                          # the table in the models' order
-        cond = f"{mode if prefix == 'none' else f'block + {prefix} prefix'} ({name})"
+    for name, mode, prefix, t in conds:                       # the table in the models' order
+        cond = _condition(name, mode, prefix, t)
         c = correct[cond]
         only, only_base, pval = mcnemar(c, correct["full (base)"])
         out[cond] = {"em": float(np.mean(c)), "only_this": only, "only_full_base": only_base, "p": pval,

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from rag_jax.args import ScriptParser, int_list, integer, model_source, output_file, real
+from rag_jax.args import ScriptParser, int_list, integer, model_source, output_file, real, real_list
 from rag_jax.atomic import write_text
 from rag_jax.evaluation.chunk_rag import rag_content
 from rag_jax.evaluation.tables import table
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--top-k", type=integer(1), default=8, help="haystack chunks the drafter reads")
     p.add_argument("--gamma", type=integer(1), default=4, help="tokens drafted per round")
-    p.add_argument("--etas", type=lambda t: [real(0)(x) for x in t.split(",")], default=[0.0, 1.0],
+    p.add_argument("--etas", type=real_list(0), default=[0.0, 1.0],
                    help="knowledge-transfer margins, comma-separated (0 = plain speculative decoding)")
     p.add_argument("--max-new-tokens", type=integer(1), default=None)
     p.add_argument("--out", type=output_file, default=None)
