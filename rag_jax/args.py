@@ -7,7 +7,7 @@ number, name or path stops the script before it loads a model or data:
 
 - ``integer(lo, hi)``: an integer in ``[lo, hi]`` ("2.5", "nan" and "1e3" are refused);
 - ``real(lo, hi, ...)``: a finite float in a range (NaN and inf are refused);
-- ``int_list(lo, hi)``: comma-separated integers; ``names(choices)``: a comma-separated subset of ``choices``;
+- ``int_list(lo, hi)`` / ``real_list``: comma-separated numbers; ``names(choices)``: a subset of ``choices``;
 - ``input_file`` / ``input_dir`` / ``input_path``: an existing file / folder / either;
 - ``output_file``: a path a JSON or npz file can be written to (not a folder, no file standing where a
   parent folder must be);
@@ -16,6 +16,10 @@ number, name or path stops the script before it loads a model or data:
 
 String defaults go through the same types (argparse converts them), so an absent default data file is
 reported the same way.
+
+Every list option has one grammar: values separated by commas, spaces or both (``--lengths 4096,8192`` =
+``--lengths 4096 8192``), whether it was declared with a list type or with ``nargs="+"`` and an item type or
+``choices``.
 """
 from __future__ import annotations
 
@@ -38,6 +42,22 @@ class ScriptParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
+    def add_argument(self, *flags, **kwargs):
+        """``argparse``'s, with the one list grammar (module docstring) for options with a list type or
+        ``nargs`` ``"+"`` / ``"*"``."""
+        item = kwargs.get("type")
+        listed = getattr(item, "is_list", False)
+        if flags and flags[0].startswith("-") and (listed or kwargs.get("nargs") in ("+", "*")):
+            if not listed:
+                choices = kwargs.pop("choices", None)
+                if choices is not None:
+                    kwargs.setdefault("metavar", "{" + ",".join(map(str, choices)) + "}")
+                    item = names(choices) if item is None else _listed(_one_of(item, choices), "values")
+                else:
+                    item = _listed(item or str, "values")
+            kwargs.update(type=item, nargs=kwargs.get("nargs", "+"), action=_Flatten)
+        return super().add_argument(*flags, **kwargs)
+
     def check(self, flag: str, parse: Callable[[str], object], value: str):
         """``parse(value)`` for an argument checked after parsing (e.g. only in some modes); a bad value is
         the same one-line error as at parse time."""
@@ -45,6 +65,22 @@ class ScriptParser(argparse.ArgumentParser):
             return parse(value)
         except argparse.ArgumentTypeError as e:
             self.error(f"argument {flag}: {e}")
+
+
+class _Flatten(argparse.Action):
+    """Stores the values of a list option (each a list, from one comma-separated token) as one flat list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [x for v in values for x in v])
+
+
+def _one_of(item: Callable[[str], Any], choices) -> Callable[[str], Any]:
+    def parse(text: str):
+        value = item(text)
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"invalid choice {text!r}; valid: {', '.join(map(str, choices))}")
+        return value
+    return parse
 
 
 def _range_text(lo, hi, lo_open: bool = False, hi_open: bool = False) -> str:
@@ -91,6 +127,7 @@ def real(lo: float | None = None, hi: float | None = None, *, lo_open: bool = Fa
 
 
 def _listed(one: Callable[[str], Any], what: str) -> Callable[[str], list]:
+    """Type: comma-separated values of type ``one`` (``what`` names them in errors), at least one."""
     def parse(text: str) -> list:
         parts = [p.strip() for p in text.split(",")]
         if not text.strip() or any(not p for p in parts):
@@ -99,6 +136,7 @@ def _listed(one: Callable[[str], Any], what: str) -> Callable[[str], list]:
             return [one(p) for p in parts]
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentTypeError(f"{e} (in {text!r})") from None
+    parse.is_list = True
     return parse
 
 
@@ -122,6 +160,7 @@ def names(choices: Sequence[str]) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"unknown name(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
                                              f"valid: {', '.join(choices)} (comma-separated)")
         return picked
+    parse.is_list = True
     return parse
 
 

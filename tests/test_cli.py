@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rag_jax import cli
@@ -239,3 +240,23 @@ def test_bad_script_input_counts():
     """Every eval and bench script has bad-input cases above (the issue note counts them)."""
     assert {n for _, n, _, _ in BAD_SCRIPT_INPUT} == set(cli.EVALS) | set(cli.BENCHES)
     assert len(BAD_SCRIPT_INPUT) >= 60
+
+
+def test_list_options_take_commas_spaces_or_both():
+    """One list grammar: an option declared with a list type, or with ``nargs="+"`` and an item type or choices,
+    takes ``a,b c`` and ``a b,c`` alike; a bad item is the one-line error naming the option."""
+    from rag_jax.args import ScriptParser, int_list, integer
+    rng = np.random.default_rng()
+    a, b, c = (int(x) for x in rng.integers(1, 10_000, 3))
+    p = ScriptParser(prog="t")
+    p.add_argument("--lengths", type=integer(1), nargs="+", default=[7])
+    p.add_argument("--sizes", type=int_list(1), default="3,4")
+    p.add_argument("--methods", nargs="+", default=["x"], choices=["x", "y", "z"])
+    for tokens in ([f"{a},{b}", str(c)], [str(a), f"{b},{c}"], [f"{a},{b},{c}"], [str(a), str(b), str(c)]):
+        got = p.parse_args(["--lengths", *tokens, "--sizes", *tokens, "--methods", "y,z", "x"])
+        assert got.lengths == got.sizes == [a, b, c] and got.methods == ["y", "z", "x"]
+    assert (p.parse_args([]).lengths, p.parse_args([]).sizes) == ([7], [3, 4])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--lengths", f"{a},0"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--methods", "x,w"])
