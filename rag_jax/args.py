@@ -44,19 +44,14 @@ class ScriptParser(argparse.ArgumentParser):
 
     def add_argument(self, *flags, **kwargs):
         """``argparse``'s, with the one list grammar (module docstring) for options with a list type or
-        ``nargs`` ``"+"`` / ``"*"``."""
-        item = kwargs.get("type")
-        listed = getattr(item, "is_list", False)
-        if flags and flags[0].startswith("-") and (listed or kwargs.get("nargs") in ("+", "*")):
-            if not listed:
-                choices = kwargs.pop("choices", None)
-                if choices is not None:
-                    kwargs.setdefault("metavar", "{" + ",".join(map(str, choices)) + "}")
-                    item = names(choices) if item is None else _listed(_one_of(item, choices), "values")
-                else:
-                    item = _listed(item or str, "values")
-            kwargs.update(type=item, nargs=kwargs.get("nargs", "+"), action=_Flatten)
-        return super().add_argument(*flags, **kwargs)
+        ``nargs`` ``"+"`` / ``"*"`` (argument groups of this parser too)."""
+        return super().add_argument(*flags, **_one_grammar(flags, kwargs))
+
+    def add_argument_group(self, *args, **kwargs):
+        return _with_grammar(super().add_argument_group(*args, **kwargs))
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        return _with_grammar(super().add_mutually_exclusive_group(**kwargs))
 
     def check(self, flag: str, parse: Callable[[str], object], value: str):
         """``parse(value)`` for an argument checked after parsing (e.g. only in some modes); a bad value is
@@ -65,6 +60,30 @@ class ScriptParser(argparse.ArgumentParser):
             return parse(value)
         except argparse.ArgumentTypeError as e:
             self.error(f"argument {flag}: {e}")
+
+
+def _one_grammar(flags, kwargs: dict) -> dict:
+    """``add_argument`` keyword arguments with the one list grammar applied (module docstring)."""
+    item = kwargs.get("type")
+    listed = getattr(item, "is_list", False)
+    if flags and flags[0].startswith("-") and (listed or kwargs.get("nargs") in ("+", "*")):
+        kwargs = dict(kwargs)
+        if not listed:
+            choices = kwargs.pop("choices", None)
+            if choices is not None:
+                kwargs.setdefault("metavar", "{" + ",".join(map(str, choices)) + "}")
+                item = names(choices) if item is None else _listed(_one_of(item, choices), "values")
+            else:
+                item = _listed(item or str, "values")
+        kwargs.update(type=item, nargs=kwargs.get("nargs", "+"), action=_Flatten)
+    return kwargs
+
+
+def _with_grammar(group):
+    """An argument group whose ``add_argument`` applies the one list grammar."""
+    add = group.add_argument
+    group.add_argument = lambda *flags, **kwargs: add(*flags, **_one_grammar(flags, kwargs))
+    return group
 
 
 class _Flatten(argparse.Action):

@@ -108,6 +108,7 @@ BAD_SCRIPT_INPUT = [
     ("eval", "sparse_rag", ["--generate", "1", "--keep", "0,2"], "--keep"),
     ("eval", "sparse_rag", ["--data", "{tmp}/missing"], "--data"),
     ("eval", "sparse_rag", ["--generate", "1", "--num-passages", "1"], "--num-passages"),
+    ("eval", "sparse_rag", ["--nq", "{tmp}/missing.jsonl.gz"], "--nq"),
     ("eval", "rapid", ["--etas", "0,-1"], "--etas"),
     ("eval", "rapid", ["--task", "kv"], "--task"),
     ("eval", "rapid", ["--gamma", "0"], "--gamma"),

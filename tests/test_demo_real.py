@@ -10,7 +10,7 @@ from flax import nnx
 
 from rag_jax.recipes import rag_demo as demo
 from rag_jax.tokenizer import byte_tokenizer, save_tokenizer
-from rag_jax.data import chat_blocks
+from rag_jax.data import chat_blocks, loaders
 from rag_jax.recipes.rag_demo import real_model
 from rag_jax.inference.chat import chat_prompt, stream_tokens
 from rag_jax.text import render_chat
@@ -91,9 +91,9 @@ def test_real_track_rejects_the_grit_retriever_before_any_work(tmp_path):
 
 def test_block_nq_split_negatives_and_placement():
     from rag_jax.recipes.block_attention import block_nq
-    train, held = block_nq.heldout_split(103, 0.2, seed=5)
+    train, held = loaders.heldout_split(103, 0.2, seed=5)
     assert len(held) == 21 and sorted(train + held) == list(range(103))
-    assert block_nq.heldout_split(103, 0.2, seed=5) == (train, held) != block_nq.heldout_split(103, 0.2, seed=6)
+    assert loaders.heldout_split(103, 0.2, seed=5) == (train, held) != loaders.heldout_split(103, 0.2, seed=6)
     ranked = np.random.default_rng().permutation(30)
     gold, skip = int(ranked[1]), [int(ranked[0]), int(ranked[4])]
     neg = block_nq.hard_negatives(ranked, gold, 5, skip)

@@ -107,3 +107,37 @@ def test_sparse_rag_eval_end_to_end(tmp_path, monkeypatch):
     assert report["results"]["oracle"]["gold_kept"] == 1.0
     tuned = load_lib.load_model(str(tmp_path / "run"))
     assert tuned.config.vocab_size == 259 and engine.control_ids(tuned.tokenizer) == (256, 257, 258)
+
+
+def test_nq_task_split_gold_ids_and_scoring(tmp_path):
+    """``--nq``: every question's gold id is its oracle passage in the pool (shared passages deduplicated), the
+    split is block_nq's (``heldout_split``), NQ replies are scored by best-subspan EM (any answer) and PhantomWiki
+    replies by containing every answer; the training answer is NQ's first answer."""
+    import gzip
+    import json
+
+    from rag_jax.data.loaders import heldout_split
+    from rag_jax.recipes.sparse_rag import sparse_rag as sr
+    rng = np.random.default_rng()
+    n = int(rng.integers(12, 30))
+    titles = [f"T{int(t)}" for t in rng.integers(0, 6, n)]            # repeated titles: shared gold passages
+    lines = [{"question": f"q{i}?", "answers": [f"ans{i}", f"alt{i}"],
+              "ctxs": [{"title": t, "text": f"text of {t}", "hasanswer": True, "isgold": True}]}
+             for i, t in enumerate(titles)]
+    path = tmp_path / "nq.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(x) + "\n" for x in lines))
+    seed = int(rng.integers(100))
+    train, held, docs = sr.nq_task(path, 0.25, seed)
+    tr_idx, ho_idx = heldout_split(n, 0.25, seed)
+    assert [q["question"] for q in train] == [f"q{i}?" for i in tr_idx]
+    assert [q["question"] for q in held] == [f"q{i}?" for i in ho_idx]
+    assert len(docs) == len(set(titles))
+    for q in train + held:
+        i = int(q["question"][1:-1])
+        assert docs[q["gold"][0]] == f"(Title: {titles[i]}) text of {titles[i]}"
+    q = held[0]
+    assert sr.is_correct(f"It is {q['answers'][1]}.", q) and not sr.is_correct("no idea", q)
+    assert sr.target_answer(q) == q["answers"][0]
+    phantom = {"question": "x", "answer": ["Ann", "Bob"]}
+    assert sr.is_correct("Ann and Bob", phantom) and not sr.is_correct("Ann", phantom)

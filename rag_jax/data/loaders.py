@@ -20,12 +20,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rag_jax.data.phantom import FactBase, evaluate_query
 
 __all__ = [
     "Article", "Question", "PhantomWikiData", "Passage", "NQExample", "KVExample",
     "load_phantomwiki", "load_nq_oracle", "load_kv_retrieval", "nq_passage_pool", "shared_data_dir", "shared_file",
-    "NQ_ORACLE",
+    "NQ_ORACLE", "heldout_split",
 ]
 
 
@@ -265,6 +267,16 @@ def load_nq_oracle(path: str | os.PathLike, limit: int | None = None) -> list[NQ
             raise ValueError(f"{where} field 'answers' is empty")
         out.append(NQExample(_field(rec, "question", str, where), answers, tuple(passages)))
     return out
+
+
+def heldout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """``(train, held-out)`` question indices: a seeded permutation's first ``round(n * fraction)`` are held out
+    (each list sorted). Raises ValueError unless ``0 < fraction < 1``."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"heldout fraction={fraction} must be in (0, 1)")
+    perm = np.random.default_rng(seed).permutation(n)
+    k = max(1, round(n * fraction))
+    return sorted(perm[k:].tolist()), sorted(perm[:k].tolist())
 
 
 def nq_passage_pool(examples: list[NQExample]) -> tuple[list[Passage], list[int]]:

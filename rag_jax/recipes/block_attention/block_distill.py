@@ -47,7 +47,8 @@ from rag_jax.atomic import write_text
 from rag_jax.data.chat_blocks import ChatBlocks
 from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
 from rag_jax.args import ScriptParser, input_file, integer, model_source, names, output_file, real, real_list
-from rag_jax.recipes.block_attention.block_nq import heldout_split, mine_negatives, own_reply_examples, training_examples
+from rag_jax.data.loaders import heldout_split
+from rag_jax.recipes.block_attention.block_nq import mine_negatives, own_reply_examples, training_examples
 from rag_jax.evaluation.rag import generate_answers, memo_json, score_answer
 from rag_jax.evaluation.stats import mcnemar, paired_difference
 from rag_jax.evaluation.tables import table

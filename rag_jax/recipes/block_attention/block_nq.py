@@ -57,7 +57,7 @@ import numpy as np
 from rag_jax.atomic import write_text
 from rag_jax.data.block_rag import BlockExample, encode
 from rag_jax.data.chat_blocks import ChatBlocks
-from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, shared_file
+from rag_jax.data.loaders import NQ_ORACLE, heldout_split, load_nq_oracle, nq_passage_pool, shared_file
 from rag_jax.args import ScriptParser, input_file, int_list, integer, model_source, names, output_file, real
 from rag_jax.evaluation.rag import complete_replies, generate_answers, greedy_replies, memo_json, score_answer
 from rag_jax.evaluation.tables import table
@@ -71,16 +71,6 @@ from rag_jax.train.finetune import FinetuneConfig, finetune
 
 MODES = ("full", "block")
 SPARE = 1.25  # --train-targets base: rows answered per row wanted (cut replies are dropped)
-
-
-def heldout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """``(train, held-out)`` question indices: a seeded permutation's first ``round(n * fraction)`` are held out
-    (each list sorted). Raises ValueError unless ``0 < fraction < 1``."""
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"heldout fraction={fraction} must be in (0, 1)")
-    perm = np.random.default_rng(seed).permutation(n)
-    k = max(1, round(n * fraction))
-    return sorted(perm[k:].tolist()), sorted(perm[:k].tolist())
 
 
 def hard_negatives(ranked: Sequence[int], gold: int, k: int, skip: Sequence[int] = ()) -> list[int]:

@@ -1,11 +1,14 @@
-"""Sparse RAG on PhantomWiki (``recipes.sparse_rag.engine``; Zhu et al., ICLR 2025): fine-tune a chat model to rate
+"""Sparse RAG on PhantomWiki and NQ (``recipes.sparse_rag.engine``; Zhu et al., ICLR 2025): fine-tune a chat model to rate
 each retrieved passage's cache with control tokens and to answer from the kept ones, then compare EM and decode
 time per token against dense RAG (all caches), the retriever's top m and the oracle.
 
-Data: a PhantomWiki folder (``--data``) or a generated universe (``--generate SEED``, written into ``--out``);
-``rag_jax.data.phantom_rag.prepare_data``'s split (every question kind); the ``--num-passages`` passages BM25 (or
-MiniLM) ranks highest per question, best last in the prompt. Silver relevance labels: a passage is relevant when
-it is one of the question's gold passages (the sections its Prolog query reads).
+Data: a PhantomWiki folder (``--data``) or a generated universe (``--generate SEED``, written into ``--out``):
+``rag_jax.data.phantom_rag.prepare_data``'s split (every question kind), a reply correct when it contains every
+gold answer; or NQ-open (``--nq [FILE]``, Lost in the Middle's oracle file): the pool of all gold passages, the
+split of ``block_nq`` (``--heldout`` 0.2 of the questions, seed ``--seed``), a reply correct when it contains
+one of the answers (best-subspan EM). The ``--num-passages`` passages BM25 (or MiniLM) ranks highest per
+question, best last in the prompt. Silver relevance labels: a passage is relevant when it is one of the
+question's gold passages (PhantomWiki: the sections its Prolog query reads; NQ: its oracle passage).
 
 Training rows (``engine.SparseRAG.assessment_example`` / ``answer_example``), per training question: every
 retrieved gold passage rated relevant and ``--negatives`` retrieved others rated irrelevant, and (unless
@@ -16,10 +19,11 @@ unless ``--model`` is a tuned run folder).
 Conditions, greedy, block mode over the passage caches (the same engine for all), per held-out question:
 ``dense`` (all k caches), ``sparse top-m`` for each of ``--keep`` (the m caches the model rates most likely
 relevant), ``sparse p>=0.5``, ``retriever top-m`` (the m best ranked), ``oracle`` (the gold passages). Reported:
-accuracy (every gold answer contained), caches kept, assessment recall of the gold passages, and decode ms per
+accuracy (as above), caches kept, assessment recall of the gold passages, and decode ms per
 token measured on ``--time-prompts`` prompts per condition ((time for T tokens - time for 1) / (T - 1)).
 
     rag-jax eval sparse_rag --data ../shared/data/phantomwiki/depth6_seed11 --steps 120 --out runs/sparse_rag/depth6
+    rag-jax eval sparse_rag --nq --num-passages 10 --steps 120 --out runs/sparse_rag/nq
 """
 from __future__ import annotations
 
@@ -31,18 +35,48 @@ from pathlib import Path
 
 import numpy as np
 
-from rag_jax.args import ScriptParser, input_dir, int_list, integer, model_source, real
+from rag_jax.args import ScriptParser, input_dir, input_file, int_list, integer, model_source, real
 from rag_jax.atomic import write_text
+from rag_jax.data.loaders import NQ_ORACLE, heldout_split, load_nq_oracle, nq_passage_pool, shared_file
 from rag_jax.data.phantom import generate_universe
 from rag_jax.data.phantom_rag import TaskConfig, UniverseConfig, answer_text, prepare_data
 from rag_jax.evaluation.rag import answer_recall, generate_answers, passage_search
 from rag_jax.evaluation.stats import mcnemar
+from rag_jax.metrics import best_subspan_em
 from rag_jax.evaluation.tables import table
 from rag_jax.inference.block_attention import BlockAttention
 from rag_jax.inference.kv_store import KVStore
 from rag_jax.model.load import load_model
 from rag_jax.recipes.sparse_rag.engine import SparseRAG, add_control_tokens, control_ids, keep
 from rag_jax.train.finetune import FinetuneConfig, finetune
+
+
+def nq_task(path, heldout: float, seed: int) -> tuple[list[dict], list[dict], list[str]]:
+    """NQ-open as Sparse RAG's task: ``(train questions, held-out questions, passages)``; a question is
+    ``{"question", "gold": [its oracle passage's id], "answers": [...]}`` and the passages are the pool of all gold
+    passages (``nq_passage_pool``), titled; the split is ``heldout_split(n, heldout, seed)`` (``block_nq``'s).
+
+    Raises:
+      FileNotFoundError / ValueError: a missing or malformed file (``load_nq_oracle``).
+    """
+    examples = load_nq_oracle(path)
+    pool, gold_ids = nq_passage_pool(examples)
+    train, held = heldout_split(len(examples), heldout, seed)
+    rows = [{"question": x.question, "gold": [g], "answers": list(x.answers)} for x, g in zip(examples, gold_ids)]
+    return [rows[i] for i in train], [rows[i] for i in held], [f"(Title: {x.title}) {x.text}" for x in pool]
+
+
+def is_correct(reply: str, question: dict) -> bool:
+    """NQ (``answers``): one answer is a subspan of the reply (best-subspan EM); PhantomWiki (``answer``): the
+    reply contains every gold answer."""
+    if "answers" in question:
+        return bool(best_subspan_em(reply, question["answers"]))
+    return answer_recall(reply, question["answer"]) == 1.0
+
+
+def target_answer(question: dict) -> str:
+    """The training answer: NQ's first answer, PhantomWiki's answer list as text."""
+    return question["answers"][0] if "answers" in question else answer_text(question["answer"])
 
 
 def retrieved(search, questions, k: int) -> list[list[int]]:
@@ -64,7 +98,7 @@ def training_examples(engine: SparseRAG, questions, ranked, docs, negatives: int
         if answers:
             shown = sorted(gold)[:4] + others
             rng.shuffle(shown)
-            out.append(engine.answer_example(q["question"], [docs[j] for j in shown], answer_text(q["answer"])))
+            out.append(engine.answer_example(q["question"], [docs[j] for j in shown], target_answer(q)))
     return out
 
 
@@ -103,6 +137,10 @@ def parser() -> ScriptParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=input_dir, help="a PhantomWiki folder")
     src.add_argument("--generate", type=integer(0), help="generate a universe with this seed into --out")
+    src.add_argument("--nq", type=input_file, nargs="?", const=str(shared_file(*NQ_ORACLE)), default=None,
+                     help="NQ-open (the shared Lost in the Middle oracle file, or this one)")
+    p.add_argument("--heldout", type=real(0, 1, lo_open=True, hi_open=True), default=0.2,
+                   help="with --nq: fraction of the questions held out (block_nq's split)")
     p.add_argument("--retriever", choices=("bm25", "minilm"), default="bm25")
     p.add_argument("--num-passages", type=integer(2), default=10)
     p.add_argument("--negatives", type=integer(0), default=2, help="irrelevant passages per training question")
@@ -128,11 +166,15 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    folder = args.data or generate_universe(100, args.generate, max_hops=3, num_questions=800).save(
-        args.out / f"universe_seed{args.generate}")
-    data = prepare_data(UniverseConfig(), TaskConfig(questions="all", max_hops=3, num_passages=args.num_passages),
-                        folder)
-    docs = [x["text"] for x in data.eval_passages]
+    if args.nq is not None:
+        folder, (train_questions, eval_questions, docs) = args.nq, nq_task(args.nq, args.heldout, args.seed)
+    else:
+        folder = args.data or generate_universe(100, args.generate, max_hops=3, num_questions=800).save(
+            args.out / f"universe_seed{args.generate}")
+        data = prepare_data(UniverseConfig(), TaskConfig(questions="all", max_hops=3,
+                                                         num_passages=args.num_passages), folder)
+        train_questions, eval_questions = data.train_questions, data.eval_questions
+        docs = [x["text"] for x in data.eval_passages]
     search = passage_search(args.retriever, docs)
     loaded = load_model(args.model)
     try:
@@ -141,7 +183,7 @@ def main(argv=None) -> int:
         loaded = add_control_tokens(loaded)
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "data": str(folder)}
     if args.steps:
-        train_q = data.train_questions[:args.train_questions]
+        train_q = train_questions[:args.train_questions]
         engine = SparseRAG(loaded, BlockAttention(loaded.model))
         examples = training_examples(engine, train_q, retrieved(search, train_q, args.num_passages), docs,
                                      args.negatives, args.seed, args.train_answers)
@@ -155,7 +197,7 @@ def main(argv=None) -> int:
         finetune(loaded, examples, cfg, args.out / "run")
         loaded = load_model(str(args.out / "run"))
         report["finetune"] = {"rows": len(examples), "seconds": time.perf_counter() - t0, "run_dir": str(args.out / "run")}
-    report.update(evaluate(loaded, data.eval_questions[:args.eval_questions], docs, search, args))
+    report.update(evaluate(loaded, eval_questions[:args.eval_questions], docs, search, args))
     report["seconds"] = time.perf_counter() - t_start
     write_text(args.out / "report.json", json.dumps(report, indent=1))
     print_report(report)
@@ -175,7 +217,7 @@ def evaluate(loaded, questions, docs, search, args) -> dict:
         prompts = [engine.chat.blocks(q["question"], [docs[j] for j in c[name]]) for q, c in zip(questions, chosen)]
         replies = generate_answers(ba, loaded.tokenizer, prompts, mode="block", max_new_tokens=args.max_new_tokens,
                                    batch_size=8, eos_id=loaded.eos_ids)
-        correct = [answer_recall(a, q["answer"]) == 1.0 for a, q in zip(replies, questions)]
+        correct = [is_correct(a, q) for a, q in zip(replies, questions)]
         gold_kept = [len(set(c[name]) & set(q["gold"])) / len(q["gold"]) for c, q in zip(chosen, questions)]
         results[name] = {"accuracy": float(np.mean(correct)), "correct": correct, "replies": replies,
                          "caches": float(np.mean([len(c[name]) for c in chosen])),
