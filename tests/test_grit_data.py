@@ -139,6 +139,10 @@ def test_grit_configs_load():
         assert cfg.data.generative_max_len <= cfg.model.max_seq_len
     with pytest.raises(config_lib.ConfigError, match="loss_gen_type"):
         config_lib.load_config(grit_eval.GritRunConfig, paths[0], ["grit.loss_gen_type=sum"])
+    with pytest.raises(config_lib.ConfigError, match="train.objective='lm_causal': .*remove it"):
+        config_lib.load_config(grit_eval.GritRunConfig, paths[0], ["train.objective=lm_causal"])
+    assert config_lib.load_config(grit_eval.GritRunConfig, paths[0], ["train.remat_policy=full"]).train.remat_policy \
+        == "full"
 
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -90,6 +90,16 @@ class TrainConfig:
             raise ValueError(f"train.remat_policy={self.remat_policy!r}; valid: {REMAT_POLICIES}")
 
 
+def refuse_set_fields(train: TrainConfig, fixed: dict[str, str]) -> None:
+    """For a job that sets some ``TrainConfig`` fields itself: ValueError naming the first of ``fixed``
+    (``{field: why the job sets it}``) whose value in ``train`` differs from ``TrainConfig``'s default (a user value
+    there would be ignored)."""
+    default = TrainConfig()
+    for name, why in fixed.items():
+        if getattr(train, name) != getattr(default, name):
+            raise ValueError(f"train.{name}={getattr(train, name)!r}: {why}; remove it")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     """Attributes:

@@ -89,11 +89,9 @@ class GritRunConfig:
             raise ValueError(f"tokenizer_vocab={self.tokenizer_vocab} exceeds model.vocab_size={self.model.vocab_size}")
         if self.eval_questions < 1 or self.train_questions < 1:
             raise ValueError("train_questions and eval_questions must be >= 1")
-        for name, value in (("global_batch_size", self.train.global_batch_size), ("objective", self.train.objective),
-                            ("run_dir", self.train.run_dir)):
-            if value != getattr(trainer.TrainConfig(), name):
-                raise ValueError(f"train.{name}={value!r}: set by grit_eval (batches are the data section's, the "
-                                 "objective GRIT's, no run folder); remove it")
+        trainer.refuse_set_fields(self.train, {"global_batch_size": "grit_eval's batches are the data section's",
+                                               "objective": "grit_eval's objective is the grit section",
+                                               "run_dir": "grit_eval writes no run folder"})
         if self.corpus_size < self.eval_questions:
             raise ValueError(f"corpus_size={self.corpus_size} must be >= eval_questions={self.eval_questions}")
 

@@ -15,7 +15,7 @@ from rag_jax.evaluation.rag import PASSAGE_ORDERS, RetrievalConfig
 from rag_jax.model.config import ModelConfig
 from rag_jax.sharding import MeshConfig
 from rag_jax.train.optim import OptimizerConfig
-from rag_jax.train.trainer import TrainConfig
+from rag_jax.train.trainer import TrainConfig, refuse_set_fields
 
 DEFAULT_BASE = "demo_reader"
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -150,9 +150,7 @@ class DemoConfig:
 
 
     def __post_init__(self):
-        for name, why in DEMO_SETS.items():
-            if getattr(self.train, name) != getattr(TrainConfig(), name):
-                raise config_lib.ConfigError(f"train.{name}={getattr(self.train, name)!r}: {why}; remove it")
+        refuse_set_fields(self.train, DEMO_SETS)
         fixed = [name for name, default in (("model", ModelConfig(**DEMO_MODEL)), ("tokenizer", TokenizerConfig()))
                  if getattr(self, name) != default]
         if self.base is not None and fixed:
