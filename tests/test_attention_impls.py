@@ -99,6 +99,30 @@ def test_blockwise_equals_dense_outputs_and_gradients(name):
         np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
 
 
+def test_default_long_tiles_forward_and_retiled_backward_equal_dense():
+    """From LONG_FROM tokens the forward runs LONG_TILE tiles and the backward re-tiles to TILE: both equal the
+    dense reference (block mode, packed segments, a ragged length, right padding in one row)."""
+    from rag_jax.model import blockwise
+    rng = np.random.default_rng()
+    L = blockwise.LONG_FROM + int(rng.integers(1, blockwise.LONG_TILE - 1))
+    seg = np.repeat(np.arange(1, L // 300 + 2), 300)[:L][None].repeat(2, 0).astype(np.int32)
+    seg[1, L - int(rng.integers(10, 400)):] = 0
+    is_global = np.zeros((2, L), bool)
+    is_global[:, -200:] = True
+    spec = MaskSpec.create("block", seg, seg, q_is_global=is_global)
+    q, k, v = _qkv(rng, 2, L, L, heads=2, kv_heads=1, d=8)
+    ct = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * _valid(spec)
+    (val_d, g_dense), (val_b, g_block) = (_grads(f, q, k, v, ct) for f in (
+        lambda q, k, v: attend(q, k, v, spec, impl="dense"),
+        lambda q, k, v: blockwise_attention(q, k, v, spec)[0]))
+    np.testing.assert_allclose(val_b, val_d, rtol=1e-5)
+    for a, b in zip(g_block, g_dense):
+        assert float(jnp.abs(b).max()) > 1e-3
+        np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
+    out = jax.jit(lambda q, k, v: blockwise_attention(q, k, v, spec)[0])(q, k, v)
+    np.testing.assert_allclose(out, attend(q, k, v, spec, impl="dense"), atol=TOL, rtol=0)
+
+
 def test_blockwise_through_dispatch_and_jit():
     rng = np.random.default_rng(1)
     q, k, v, spec = _case("block_cache_reencoded", rng)

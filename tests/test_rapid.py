@@ -90,6 +90,23 @@ def test_greedy_rapid_without_transfer_is_the_targets_greedy_output():
         rapid.rapid_generate(target, long_prompt, drafter, short_prompt, max_new_tokens=4, gamma=0)
 
 
+def test_stream_generate_is_greedy_decoding_and_compiles_nothing_while_it_decodes():
+    """The target-alone baseline: the same tokens as ``generate``; every decode call was compiled with the
+    prefill (the jitted step functions trace nothing during decoding), and it stops at an end id."""
+    rng = np.random.default_rng()
+    model = _model(int(rng.integers(1 << 30)))
+    prompt = rng.integers(0, 64, int(rng.integers(20, 50))).tolist()
+    reference = np.asarray(generate(model, [prompt], max_new_tokens=12)).reshape(-1).tolist()
+    traced = rapid._step._cache_size()
+    out, stats = rapid.stream_generate(model, prompt, max_new_tokens=12)
+    assert out == reference and stats.target_steps == 11 and stats.seconds > 0 and stats.prefill_seconds > 0
+    assert rapid._step._cache_size() == traced       # no call through the jitted step: it was compiled ahead
+    stopped, stats = rapid.stream_generate(model, prompt, max_new_tokens=12, eos_id=reference[2])
+    assert stopped == reference[:reference.index(reference[2]) + 1]
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        rapid.stream_generate(model, prompt, max_new_tokens=0)
+
+
 def test_sampled_rapid_accepts_everything_from_an_identical_drafter_and_stops_at_eos():
     """Sampled verification with the drafter equal to the target on the same prompt: q = p = p~, so every drafted
     token is accepted (ratio 1) whatever eta; the same seed gives the same tokens; an end id stops at once."""

@@ -142,17 +142,22 @@ def _steps(graphdef, state, cache, tokens, positions, slot):
 class _Stream:
     """One model decoding one sequence over a fixed ``DecodeCache``: ``logits`` predict the next token; ``feed``
     appends a token; ``rewind(n)`` drops the last ``n`` fed tokens (their slots are rewritten later and, being
-    after the current slot, never attended)."""
+    after the current slot, never attended). The decode calls (one token; ``widths`` tokens at once) are compiled
+    with the prefill, so the time after it is decoding alone."""
 
-    def __init__(self, model, prompt: Sequence[int], slots: int):
+    def __init__(self, model, prompt: Sequence[int], slots: int, widths: Sequence[int] = ()):
         self.graphdef, self.state = nnx.split(model)
         logits, self.cache, first = _prefill(self.graphdef, self.state, jnp.asarray([list(prompt)], jnp.int32), slots)
         self.first, self.fed, self.next_position = int(first), 0, len(prompt)
         self.logits = np.asarray(logits[0], np.float64)
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        self._step = _step.lower(self.graphdef, self.state, self.cache, i32, i32, i32).compile()
+        self._steps = {w: _steps.lower(self.graphdef, self.state, self.cache, jax.ShapeDtypeStruct((w,), jnp.int32),
+                                       jax.ShapeDtypeStruct((w,), jnp.int32), i32).compile() for w in widths}
 
     def feed(self, token: int) -> np.ndarray:
-        logits, self.cache = _step(self.graphdef, self.state, self.cache, jnp.int32(token),
-                                   jnp.int32(self.next_position + self.fed), jnp.int32(self.first + self.fed))
+        logits, self.cache = self._step(self.state, self.cache, jnp.int32(token),
+                                        jnp.int32(self.next_position + self.fed), jnp.int32(self.first + self.fed))
         self.fed += 1
         self.logits = np.asarray(logits[0], np.float64)
         return self.logits
@@ -160,8 +165,9 @@ class _Stream:
     def feed_many(self, tokens: Sequence[int]) -> np.ndarray:
         """Append ``tokens`` in one decode call; float64 ``[len(tokens), vocab]``: the logits after each."""
         at = self.next_position + self.fed
-        logits, self.cache = _steps(self.graphdef, self.state, self.cache, jnp.asarray(tokens, jnp.int32),
-                                    jnp.arange(at, at + len(tokens), dtype=jnp.int32), jnp.int32(self.first + self.fed))
+        steps = self._steps.get(len(tokens)) or functools.partial(_steps, self.graphdef)
+        logits, self.cache = steps(self.state, self.cache, jnp.asarray(tokens, jnp.int32),
+                                   jnp.arange(at, at + len(tokens), dtype=jnp.int32), jnp.int32(self.first + self.fed))
         self.fed += len(tokens)
         rows = np.asarray(logits[0], np.float64)
         self.logits = rows[-1]
@@ -220,7 +226,8 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
 
     t0 = time.perf_counter()
     slots = max_new_tokens + gamma + 1
-    tgt, dft = _Stream(target, target_prompt, slots), _Stream(drafter, draft_prompt, slots + gamma)
+    tgt = _Stream(target, target_prompt, slots, widths=(gamma, gamma + 1))
+    dft = _Stream(drafter, draft_prompt, slots + gamma)
     stats = RapidStats(prefill_seconds=time.perf_counter() - t0)
     t0 = time.perf_counter()
     out: list[int] = []
@@ -247,6 +254,30 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
         out.extend(emitted)
     stats.seconds = time.perf_counter() - t0
     return out[:max_new_tokens], stats
+
+
+def stream_generate(model, prompt: Sequence[int], *, max_new_tokens: int,
+                    eos_id: int | Sequence[int] | None = None) -> tuple[list[int], RapidStats]:
+    """Greedy decoding of ``prompt`` by ``model`` alone, one token per decode call through the same compiled
+    prefill and decode step as ``rapid_generate`` (its baseline for decode tokens/s). Returns ``(emitted token ids,
+    RapidStats)`` with ``seconds`` / ``prefill_seconds`` and ``target_steps`` set.
+
+    Raises:
+      ValueError: ``max_new_tokens < 1`` or an empty prompt, before any compute."""
+    if max_new_tokens < 1 or not len(prompt):
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1 and the prompt non-empty "
+                         f"(got {len(prompt)} tokens)")
+    eos = set(eos_tuple(eos_id))
+    t0 = time.perf_counter()
+    stream = _Stream(model, prompt, max_new_tokens)
+    stats = RapidStats(prefill_seconds=time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    out = [int(np.argmax(stream.logits))]
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        out.append(int(np.argmax(stream.feed(out[-1]))))
+        stats.target_steps += 1
+    stats.seconds = time.perf_counter() - t0
+    return out, stats
 
 
 def _verify(tgt: _Stream, pending, drafts, qs, rule, pick, eos, room: int, stats: RapidStats):

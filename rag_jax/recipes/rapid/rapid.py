@@ -6,7 +6,9 @@ the drafter proposing ``--gamma`` tokens that the target verifies, at each ``--e
 Prompts are ``long_context``'s tasks with a haystack (``haystack``: a PhantomWiki attribute question among
 articles; ``passkey_once``; the RULER-style ones), ``--samples`` per ``--lengths``. Conditions per prompt, greedy:
 the target alone, the drafter alone (RAG), and RAPID per ``eta``; each reply scored as ``long_context`` scores it.
-Reported: accuracy, RAPID's acceptance rate, decode tokens/s (after both prefills), and the bytes one decode step
+Reported: accuracy, RAPID's acceptance rate, decode tokens/s (tokens emitted after the prefills over the time
+after them; every condition decodes through the same compiled calls, compiled with the prefill; the target and the
+drafter alone emit their first token from the prefill and then one per decode call), and the bytes one decode step
 of the target and of the drafter reads (weights + KV), from which the context length where speculation can pay on
 this machine follows (``inference.rapid.decode_bytes``). RAPID's target verifies each round in one decode call of
 ``gamma + 1`` tokens; the drafter decodes token by token.
@@ -24,9 +26,8 @@ from rag_jax.args import ScriptParser, int_list, integer, model_source, output_f
 from rag_jax.atomic import write_text
 from rag_jax.evaluation.chunk_rag import rag_content
 from rag_jax.evaluation.tables import table
-from rag_jax.inference.rapid import decode_bytes, rapid_generate
+from rag_jax.inference.rapid import decode_bytes, rapid_generate, stream_generate
 from rag_jax.model.load import load_model
-from rag_jax.recipes.em_llm.long_context import full_generate
 from rag_jax.inference.chat import user_prompt
 from rag_jax.recipes.em_llm.tasks import FILLERS, MAX_NEW_TOKENS, make_prompts, score
 
@@ -64,11 +65,11 @@ def main(argv=None) -> int:
                    "answer": prompt.answer, "results": {}}
             for cond in conditions:
                 t0 = time.perf_counter()
-                stats = None
                 if cond == "target":
-                    out = full_generate(target, prompt.ids, new_tokens)
+                    out, stats = stream_generate(target.model, prompt.ids.tolist(), max_new_tokens=new_tokens,
+                                                 eos_id=target.eos_ids)
                 elif cond == "RAG drafter":
-                    out = full_generate(drafter, np.asarray(draft, np.int32), new_tokens)
+                    out, stats = stream_generate(drafter.model, draft, max_new_tokens=new_tokens, eos_id=target.eos_ids)
                 else:
                     out, stats = rapid_generate(target.model, prompt.ids.tolist(), drafter.model, draft,
                                                 max_new_tokens=new_tokens, gamma=args.gamma,
@@ -76,8 +77,10 @@ def main(argv=None) -> int:
                 reply = target.tokenizer.decode(out, skip_special_tokens=True)
                 row["results"][cond] = {
                     "reply": reply, "score": score(args.task, reply, prompt), "seconds": time.perf_counter() - t0,
-                    **({} if stats is None else {"acceptance": stats.acceptance_rate, "decode_seconds": stats.seconds,
-                                                 "tokens": len(out), "target_steps": stats.target_steps})}
+                    "tokens": len(out), "decode_tokens": len(out) - (not cond.startswith("RAPID")),
+                    "decode_seconds": stats.seconds, "prefill_seconds": stats.prefill_seconds,
+                    "target_steps": stats.target_steps,
+                    **({"acceptance": stats.acceptance_rate} if cond.startswith("RAPID") else {})}
                 print(f"  {length:>6d} depth {prompt.depth:.2f} {cond:14s} {row['results'][cond]['score']:.2f} "
                       f"{reply!r}", flush=True)
             rows.append(row)
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
     for cond in conditions:
         res = [r["results"][cond] for r in rows]
         acc = [x["acceptance"] for x in res if "acceptance" in x]
-        tps = [x["tokens"] / x["decode_seconds"] for x in res if "decode_seconds" in x and x["decode_seconds"] > 0]
+        tps = [x["decode_tokens"] / x["decode_seconds"] for x in res if x["decode_seconds"] > 0 and x["decode_tokens"]]
         table_rows.append([cond, f"{np.mean([x['score'] for x in res]):.3f}", f"{np.mean(acc):.2f}" if acc else "",
                            f"{np.median(tps):.1f}" if tps else "", f"{np.median([x['seconds'] for x in res]):.1f}"])
     print(f"# RAPID, {args.task}, target {args.model}, drafter {args.drafter or args.model} (BM25 top {args.top_k} "
