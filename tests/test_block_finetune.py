@@ -175,6 +175,12 @@ def test_block_nq_evaluate_records_em_times_and_the_finetune_record(tmp_path):
     only_block = block_nq.evaluate({"": loaded}, examples, texts, [0, 1, 2], [0], [[3, 4]], [2], args)
     assert list(only_block) == ["block"] and list(only_block["block"]) == [2]
     assert "finetune" not in json.loads(args.out.read_text())
+    args.modes = ["closed"]                          # closed book: the question alone, the same replies per position
+    closed = block_nq.evaluate({"": loaded}, examples, texts, [0, 1, 2], [0, 1], [[3, 4], [4, 3]], [0, 2], args)
+    chat, ba = block_nq.ChatBlocks(loaded), block_nq.BlockAttention(loaded.model)
+    want = block_nq.generate_answers(ba, loaded.tokenizer, [chat.blocks(f"q{i}?", []) for i in (0, 1)], mode="full",
+                                     max_new_tokens=3, batch_size=2, eos_id=loaded.eos_ids)
+    assert list(closed) == ["closed"] and closed["closed"][0]["predictions"] == closed["closed"][2]["predictions"] == want
 
 
 def test_own_reply_targets_are_the_base_models_complete_greedy_replies(tmp_path):

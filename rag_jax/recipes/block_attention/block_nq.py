@@ -20,6 +20,7 @@ setting (Liu et al., TACL 2024):
 
     rag-jax eval block_nq --limit 50                     # SmolLM2-135M-Instruct, gold at 0 / 4 / 9, no fine-tuning
     rag-jax eval block_nq --limit 10 --positions 0,9     # quick run
+    rag-jax eval block_nq --modes closed --limit 200     # closed book: the question alone (general-ability row)
     rag-jax eval block_nq --limit 40 --finetune-steps 20 --train-batch 4 --train-layers 8 --train-seq-len 704 \
         --lr 1e-4 --warmup 2 --skip-base --batch-size 4  # CPU recipe: fine-tune, then the tuned model's rows
     rag-jax eval block_nq --model runs/block_nq_ft --modes block --batch-size 4   # block rows of a tuned model
@@ -69,7 +70,7 @@ from rag_jax.retrieval.exact import ExactIndex
 from rag_jax.train.finetune import FinetuneConfig, finetune
 
 
-MODES = ("full", "block")
+MODES = ("full", "block", "closed")  # closed: the question alone (closed book), no passages
 SPARE = 1.25  # --train-targets base: rows answered per row wanted (cut replies are dropped)
 
 
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=integer(1), default=8,
                    help="questions per generate call (its KV cache is batch x ~1.5K tokens x 30 layers)")
     p.add_argument("--modes", type=names(MODES), default="full,block",
-                   help="attention modes evaluated, comma-separated (e.g. block: only the block rows)")
+                   help="attention modes evaluated, comma-separated (e.g. block: only the block rows; closed: the "
+                        "question alone, closed book, as a general-ability row)")
     p.add_argument("--cache", type=output_file, default=None, help="npz to reuse/store the MiniLM pool embeddings")
     p.add_argument("--out", type=output_file, default=None, help="JSON output (rewritten after every condition)")
     ft = p.add_argument_group("Block-Attention fine-tuning (rag_jax.train.finetune); off unless --finetune-steps")
@@ -279,19 +281,21 @@ def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positi
     for name, loaded in models.items():
         chat = ChatBlocks(loaded)
         ba = BlockAttention(loaded.model, fingerprint=str(loaded.source), prefix=loaded.block_prefix)
-        modes = [m for m in (("block", "full") if "after" in name else ("full", "block"))
-                 if m in getattr(args, "modes", MODES)]
+        modes = [m for m in (("block", "full", "closed") if "after" in name else ("full", "block", "closed"))
+                 if m in getattr(args, "modes", ("full", "block"))]
         for mode in modes:
             preds: dict[int, list[str]] = {pos: [] for pos in positions}
             t0, c0 = time.perf_counter(), time.process_time()
             for start in range(0, len(heldout), args.batch_size):
                 chunk = list(zip(negatives, heldout))[start:start + args.batch_size]
-                for pos in positions:
-                    prompts = [chat.blocks(examples[i].question, [texts[j] for j in place(neg, gold_ids[i], pos)])
-                               for neg, i in chunk]
-                    preds[pos] += generate_answers(ba, loaded.tokenizer, prompts, mode=mode,
-                                                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                                   eos_id=loaded.eos_ids)
+                for pos in positions[:1] if mode == "closed" else positions:
+                    prompts = [chat.blocks(examples[i].question, [] if mode == "closed" else
+                                           [texts[j] for j in place(neg, gold_ids[i], pos)]) for neg, i in chunk]
+                    preds[pos] += generate_answers(ba, loaded.tokenizer, prompts, mode="full" if mode == "closed"
+                                                   else mode, max_new_tokens=args.max_new_tokens,
+                                                   batch_size=args.batch_size, eos_id=loaded.eos_ids)
+            if mode == "closed":                  # no passages, no position: the same replies in every column
+                preds = {pos: preds[positions[0]] for pos in positions}
             seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             cond = results.setdefault(f"{mode}{name}", {})
             for pos in positions:
