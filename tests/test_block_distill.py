@@ -330,3 +330,32 @@ def test_em_table_scores_greedy_replies_and_its_reply_cache_is_keyed_by_the_weig
                         {"eos_token": "\n"}, Path("tiny-chat"))
     again = bd.em_table(other, {"base": (other.model, [("none", 1.0)])}, examples, list(range(5)), rows, args)
     assert calls == [5, 5] and again["full (base)"]["replies"] == ["x"] * 5   # other weights: generated again
+
+
+def test_attention_mass_table_finds_the_gold_block_and_averages_the_rows(capsys):
+    """``--attention-mass``: the gold passage's block is found by its text; the table's per-layer categories are
+    the mean over rows of ``attention_mass.categorize`` of each row (fresh rows, fresh gold positions)."""
+    from rag_jax.data.chat_blocks import ChatBlocks
+    from rag_jax.evaluation import attention_mass
+    from rag_jax.recipes.block_attention.block_distill import gold_block, mass_table
+    rng = np.random.default_rng()
+    loaded = LoadedModel(CFG, _model(int(rng.integers(1 << 20))), "LlamaForCausalLM", byte_tokenizer(), TEMPLATE,
+                         (10,), {"eos_token": "\n"}, Path("tiny-chat"))
+    chat = ChatBlocks(loaded)
+    rows, golds = [], []
+    for i in range(3):
+        texts = [f"p{i}{j} " + "x" * int(rng.integers(1, 5)) for j in range(4)]
+        where = int(rng.integers(4))
+        rows.append(BlockExample(chat.blocks(f"q{i}?", texts)))
+        golds.append(gold_block(chat, rows[-1], texts[where]))
+        assert golds[-1] == where + 1
+    out = mass_table({"base": loaded.model}, rows, golds)
+    assert "gold passage" in capsys.readouterr().out
+    for mode in attention_mass.MODES:
+        want = np.mean([attention_mass.categorize(attention_mass.block_attention_mass(loaded.model, r.blocks, mode),
+                                                  g)["gold passage"] for r, g in zip(rows, golds)], axis=0)
+        np.testing.assert_allclose(out[f"{mode} (base)"]["gold passage"], want, rtol=1e-12)
+        total = sum(np.asarray(out[f"{mode} (base)"][c]) for c in attention_mass.CATEGORIES)
+        np.testing.assert_allclose(total, 1.0, atol=1e-5)
+    with pytest.raises(ValueError, match="gold=0"):
+        attention_mass.categorize(np.ones((2, 4)), 0)

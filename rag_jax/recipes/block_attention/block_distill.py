@@ -24,6 +24,7 @@ the tuned model is written as an HF folder ``<run>/model`` that ``--model`` acce
         --top-layers 8                                                         # the first CPU run (README row)
 
     rag-jax eval block_distill --ll-rows 500 --tuned smollm2-135m-instruct-block --prefix sink   # shipped model
+    rag-jax eval block_distill --ll-rows 2 --attention-mass 40   # where the question block looks, full vs block
 
 A rerun with the same arguments reuses every cached row and the finished run folder (it resumes when killed);
 ``--tuned`` scores an already tuned model (in the block mode its folder or delta names) instead of training;
@@ -49,6 +50,7 @@ from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, sha
 from rag_jax.args import ScriptParser, input_file, integer, model_source, names, output_file, real, real_list
 from rag_jax.data.loaders import heldout_split
 from rag_jax.recipes.block_attention.block_nq import mine_negatives, own_reply_examples, training_examples
+from rag_jax.evaluation import attention_mass
 from rag_jax.evaluation.rag import generate_answers, memo_json, score_answer
 from rag_jax.evaluation.stats import mcnemar, paired_difference
 from rag_jax.evaluation.tables import table
@@ -127,6 +129,9 @@ def main(argv=None) -> int:
     p.add_argument("--em-questions", type=integer(0), default=0,
                    help="the first N held-out rows also answered greedily (best-subspan EM, exact McNemar vs full "
                         "attention of the base model); 0 = off")
+    p.add_argument("--attention-mass", type=integer(0), default=0,
+                   help="held-out rows of the attention-mass diagnostic: per layer, the question block's attention "
+                        "on the instruction, the gold passage, the other passages and itself, full vs block mode")
     p.add_argument("--max-new-tokens", type=integer(1), default=24)
     p.add_argument("--em-batch-size", type=integer(1), default=8)
     p.add_argument("--cache-dir", type=Path, default=Path("runs/block_distill"),
@@ -159,7 +164,7 @@ def main(argv=None) -> int:
     if not loaded.config.tie_embeddings:
         p.error(f"argument --model: {args.model} has an untied output head; distillation reads the teacher's "
                 "logits through the frozen tied embedding")
-    heldout = heldout[:max(args.ll_rows, args.em_questions)]  # rows are prefix-stable: the first N are the same
+    heldout = heldout[:max(args.ll_rows, args.em_questions, args.attention_mass)]  # rows are prefix-stable: the first N are the same
     train_q = np.random.default_rng(args.seed).permutation(train)[:args.train_rows].tolist() if args.steps else []
     texts = [f"(Title: {x.title}) {x.text}" for x in pool]
     args.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -199,6 +204,10 @@ def main(argv=None) -> int:
                               examples, heldout[:args.em_questions], heldout_rows[:args.em_questions], args)
         write_out()                                           # kept if the log-likelihood rows are cut short
 
+    if args.attention_mass:
+        info["attention_mass"] = mass_table(models, heldout_rows[:args.attention_mass],
+                                            [gold_block(chat, r, texts[gold_ids[q]]) for r, q in zip(heldout_rows, heldout)])
+        write_out()
     if args.em_questions and not args.steps:
         run_em()                                              # its models need no features: answers first
     plain = features_for("none").compute(eval_rows, desc="features (held-out rows)")
@@ -293,6 +302,28 @@ def main(argv=None) -> int:
     info["wall_seconds"] = time.perf_counter() - wall
     write_out(results)
     return 0
+
+
+def gold_block(chat, row, text: str) -> int:
+    """Index of the passage block holding ``text`` in ``row.blocks``."""
+    return row.blocks.index(tuple(chat.blocks("", [text])[1]))
+
+
+def mass_table(models: dict, rows, golds) -> dict:
+    """``attention_mass`` per model and mode, averaged over ``rows``: prints the mean per category over the bottom,
+    middle and top third of the layers; returns ``{"<mode> (<model>)": {category: per-layer list}}``."""
+    out, lines = {}, []
+    for name, model in models.items():
+        for mode in attention_mass.MODES:
+            per_row = [attention_mass.categorize(attention_mass.block_attention_mass(model, r.blocks, mode), g)
+                       for r, g in zip(rows, golds)]
+            cats = {c: np.mean([x[c] for x in per_row], axis=0) for c in attention_mass.CATEGORIES}
+            out[f"{mode} ({name})"] = {c: v.tolist() for c, v in cats.items()}
+            thirds = np.array_split(np.arange(len(cats["question"])), 3)
+            lines += [[f"{mode} ({name})", c, *[f"{v[t].mean():.3f}" for t in thirds]] for c, v in cats.items()]
+    print(f"# attention mass of the question block's tokens (mean over {len(rows)} held-out rows, tokens and heads)")
+    print(table(["inference", "keys", "bottom third", "middle third", "top third"], lines))
+    return out
 
 
 def same_bottom(base, tuned, top_layers: int) -> str | None:
