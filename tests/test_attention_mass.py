@@ -51,7 +51,8 @@ def test_layer0_matches_numpy_and_layer_inputs_match_the_model(mode):
     np.testing.assert_allclose(masses[0], _ref_layer0(model, blocks, mode), atol=2e-5)
     tokens, positions, seg, is_global = (jnp.asarray(x) for x in attention_mass.block_layout(blocks))
     graphdef, state = nnx.split(model)
-    _, residual = attention_mass._masses(graphdef, state, tokens, positions, seg, is_global, mode, len(blocks))
+    _, residual = attention_mass._masses(graphdef, state, tokens, positions, seg, is_global, mode, len(blocks),
+                                         tokens.shape[1])
     want, _ = model.encode(tokens, positions, seg, mode="causal" if mode == "full" else "block",
                            is_global=None if mode == "full" else is_global)
     np.testing.assert_allclose(residual, want, atol=1e-5)
@@ -60,6 +61,9 @@ def test_layer0_matches_numpy_and_layer_inputs_match_the_model(mode):
 def test_block_mode_differs_above_layer0_only():
     rng = np.random.default_rng()
     model = Transformer(CFG, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    for layer in model.layers:                       # sharp attention: the modes differ clearly above layer 0
+        for w in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.attn.wo):
+            w[...] = w[...] * 6
     blocks = [rng.integers(0, CFG.vocab_size, 8).tolist() for _ in range(4)]
     full, block = (attention_mass.block_attention_mass(model, blocks, m) for m in attention_mass.MODES)
     np.testing.assert_allclose(full[0], block[0], atol=1e-6)

@@ -24,6 +24,7 @@ from rag_jax.model.masks import MaskSpec
 from rag_jax.model.rope import rope_angles, rotate
 
 MODES = ("full", "block")
+PAD_TO = 256  # prompt length bucket (tokens)
 
 
 def block_layout(blocks: Sequence[Sequence[int]]):
@@ -58,27 +59,33 @@ def block_attention_mass(model, blocks: Sequence[Sequence[int]], mode: str) -> n
         raise ValueError("block_attention_mass needs an unscanned model without sliding windows "
                          f"(scan_layers={cfg.scan_layers}, sliding_window={cfg.sliding_window})")
     tokens, positions, seg, is_global = block_layout(blocks)
+    total = tokens.shape[1]
+    pad = -total % PAD_TO                       # padding keys / queries (segment 0) keep the compiled shapes few
+    tokens, positions, seg, is_global = (np.pad(x, ((0, 0), (0, pad))) for x in (tokens, positions, seg, is_global))
+    queries = -(-(len(blocks[-1]) + pad) // 64) * 64   # the trailing queries measured (the last block's, padded)
     graphdef, state = nnx.split(model)
     masses, _ = _masses(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(seg),
-                        jnp.asarray(is_global), mode, len(blocks))
+                        jnp.asarray(is_global), mode, len(blocks), min(queries, total + pad))
     return np.asarray(masses, np.float64)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "num_blocks"))
-def _masses(graphdef, state, tokens, positions, seg, is_global, mode, num_blocks):
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "num_blocks", "queries"))
+def _masses(graphdef, state, tokens, positions, seg, is_global, mode, num_blocks, queries):
     model = nnx.merge(graphdef, state)
     spec = (MaskSpec.create("causal", seg, seg) if mode == "full" else
             MaskSpec.create("block", seg, seg, q_is_global=is_global))
+    tail = spec.replace(**{f: getattr(spec, f)[:, -queries:] for f in
+                           ("q_segment_ids", "q_order", "q_positions", "q_is_global")})
     rope = rope_angles(positions, model.inv_freq)
-    weights = (seg == num_blocks).astype(jnp.float32)
-    weights = (weights / weights.sum())[:, None]                               # [1, 1, total]
-    onehot = jax.nn.one_hot(seg[0] - 1, num_blocks, dtype=jnp.float32)        # [total, blocks]
+    weights = (seg[:, -queries:] == num_blocks).astype(jnp.float32)
+    weights = (weights / weights.sum())[:, None]                               # [1, 1, queries]
+    onehot = jax.nn.one_hot(seg[0] - 1, num_blocks, dtype=jnp.float32)        # [total, blocks]; padding: 0
     x, rows = model.embed(tokens), []
     for layer in model.layers:
         q, k, v = layer.qkv(x)
         q, k = rotate(q, *rope), rotate(k, *rope)
         out, lse = attend_joint([(q, k, v, spec)], return_lse=True, impl=model.config.attention_impl)
-        mass = key_mass(q, k, spec, lse, weights)[0, 0]                      # [heads, total]
+        mass = key_mass(q[:, -queries:], k, tail, lse[..., -queries:], weights)[0, 0]   # [heads, total]
         rows.append(mass.mean(0) @ onehot)
         x = layer.finish(x, out)
     return jnp.stack(rows), x                  # x: the residual after the last layer (tests)
