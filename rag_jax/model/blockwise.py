@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rag_jax.model import cpu_kernel
 from rag_jax.model.masks import SKIP, MaskSpec
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -91,13 +92,21 @@ def _forward(q, k, v, spec, classes, qc, kc):
     return out, jnp.moveaxis(lse, 0, 3).reshape(b, h, g, q_len)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, spec, classes, qc, kc, bwd_tiles):
+def _forward_any(q, k, v, spec, classes, qc, kc):
+    """The fused C++ forward (``cpu_kernel``) on the CPU backend where it is built and applies, else ``_forward``;
+    the same ``(out, lse)``."""
+    if jax.default_backend() == "cpu" and cpu_kernel.supported(q, spec) and cpu_kernel.available():
+        return cpu_kernel.flash_forward(q, k, v, spec)
     return _forward(q, k, v, spec, classes, qc, kc)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, spec, classes, qc, kc, bwd_tiles):
+    return _forward_any(q, k, v, spec, classes, qc, kc)
+
+
 def _flash_fwd(q, k, v, spec, classes, qc, kc, bwd_tiles):
-    out, lse = _forward(q, k, v, spec, classes, qc, kc)
+    out, lse = _forward_any(q, k, v, spec, classes, qc, kc)
     return (out, lse), (q, k, v, spec, classes, out, lse)
 
 

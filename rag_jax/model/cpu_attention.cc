@@ -1,0 +1,277 @@
+// Fused flash-attention forward for XLA:CPU (FlashAttention, Dao et al., NeurIPS 2022, Alg. 1), called through
+// jax.ffi by rag_jax/model/cpu_kernel.py. One task = one (batch row, KV head, block of QB query rows); tasks run
+// on all cores of the process (std::thread, an atomic task counter). Per task, every KV tile of KB keys that
+// the structural mask reaches is visited once for all query heads of the KV head's group: the mask (the
+// predicate of rag_jax/model/masks.py, skipped for tiles a range test proves empty or full), QK^T on
+// register-blocked tiles, the online softmax (row max, exp, row sum, rescale) and PV, all in L1/L2.
+// Vectors: GCC/Clang vector extensions (16 floats; AVX-512, AVX2 or NEON as the compiler targets).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include <sched.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));  // unaligned loads / stores
+
+constexpr int QB = 64;   // query rows per task
+constexpr int KB = 128;  // keys per tile
+constexpr int RB = 4;    // query rows per register block of QK^T
+constexpr float MASK_VALUE = -0.7f * 3.4028234663852886e38f;
+
+static inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+static inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+
+// exp(x) (Cephes expf: range reduction by log 2, degree-5 polynomial; relative error ~1e-7); x clamped to
+// [-87, 88]: callers need exp(x) for x <= 0 and multiply masked entries by 0.
+static inline v16 vexp(v16 x) {
+  x = x < -87.f ? (v16{} - 87.f) : x;
+  x = x > 88.f ? (v16{} + 88.f) : x;
+  v16 fx = x * 1.44269504088896341f + 0.5f;
+  v16 tf = __builtin_convertvector(__builtin_convertvector(fx, vi16), v16);
+  v16 fl = tf + __builtin_convertvector(tf > fx, v16);  // floor: true lanes are -1
+  x = x - fl * 0.693359375f - fl * -2.12194440e-4f;
+  v16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.f;
+  vi16 e = (__builtin_convertvector(fl, vi16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return y * scale;
+}
+
+// acc_row = alpha * acc_row + sum_c p[c] * v[c, :] for DV vectors of 16 (head_dim = 16 DV) kept in registers.
+template <int DV>
+static inline void pv_row(float* ar, const float* pr, const float* vh, int64_t cols, float alpha) {
+  v16 r[DV];
+  for (int j = 0; j < DV; ++j) r[j] = load(ar + 16 * j) * alpha;
+  for (int64_t c = 0; c < cols; ++c) {
+    const float pc = pr[c];
+    const float* vr = vh + c * 16 * DV;
+    for (int j = 0; j < DV; ++j) r[j] += pc * load(vr + 16 * j);
+  }
+  for (int j = 0; j < DV; ++j) store(ar + 16 * j, r[j]);
+}
+
+static void pv_any(float* ar, const float* pr, const float* vh, int64_t cols, float alpha, int64_t dv) {
+  switch (dv) {
+    case 1: return pv_row<1>(ar, pr, vh, cols, alpha);
+    case 2: return pv_row<2>(ar, pr, vh, cols, alpha);
+    case 4: return pv_row<4>(ar, pr, vh, cols, alpha);
+    case 8: return pv_row<8>(ar, pr, vh, cols, alpha);
+  }
+  for (int64_t j = 0; j < dv; ++j) store(ar + 16 * j, load(ar + 16 * j) * alpha);
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t j = 0; j < dv; ++j) store(ar + 16 * j, load(ar + 16 * j) + pr[c] * load(vh + c * 16 * dv + 16 * j));
+}
+
+struct Fields {  // [batch, len] int32 each
+  const int32_t *seg, *order, *pos, *glob;
+};
+
+struct Problem {
+  const float *q, *k, *v;  // q [b, h, g, Lq, d] scaled by 1/sqrt(d); k, v [b, h, Lk, d]
+  float *out, *lse;        // out [b, h, g, Lq, d], lse [b, h, g, Lq]
+  Fields qf, kf;
+  int64_t b, h, g, lq, lk, d, mode, window;  // mode: 0 causal, 1 bidirectional, 2 block; window < 0: none
+};
+
+static inline bool allowed(const Problem& P, int64_t bi, int64_t qi, int64_t ki) {
+  const int64_t qo = bi * P.lq + qi, ko = bi * P.lk + ki;
+  const int32_t qs = P.qf.seg[qo], ks = P.kf.seg[ko];
+  bool ok = qs != 0 && ks != 0;
+  if (P.mode == 1) {
+    ok = ok && qs == ks;
+  } else {
+    ok = ok && P.kf.order[ko] <= P.qf.order[qo];
+    if (P.mode == 2) ok = ok && (qs == ks || P.qf.glob[qo] != 0);
+  }
+  if (P.window >= 0) ok = ok && (int64_t)P.qf.pos[qo] - P.kf.pos[ko] < P.window;
+  return ok;
+}
+
+// 0: no pair of the tile allowed, 2: every pair allowed, 1: evaluate the mask. Conservative (as
+// MaskSpec.chunk_classes): only orders and segment validity are range-tested.
+static int tile_class(const Problem& P, int64_t bi, int64_t q0, int64_t rows, int64_t k0, int64_t cols) {
+  const int32_t *qo = P.qf.order + bi * P.lq + q0, *ko = P.kf.order + bi * P.lk + k0;
+  const int32_t *qs = P.qf.seg + bi * P.lq + q0, *ks = P.kf.seg + bi * P.lk + k0;
+  if (P.mode == 1 || P.window >= 0) return 1;
+  int32_t qmin = qo[0], qmax = qo[0], kmin = ko[0], kmax = ko[0];
+  bool valid = true;
+  for (int64_t r = 0; r < rows; ++r) { qmin = std::min(qmin, qo[r]); qmax = std::max(qmax, qo[r]); valid = valid && qs[r]; }
+  for (int64_t c = 0; c < cols; ++c) { kmin = std::min(kmin, ko[c]); kmax = std::max(kmax, ko[c]); valid = valid && ks[c]; }
+  if (kmin > qmax) return 0;
+  if (P.mode == 0 && valid && kmax <= qmin) return 2;
+  return 1;
+}
+
+static void run_task(const Problem& P, int64_t task, std::vector<float>& buf) {
+  const int64_t d = P.d, nqb = (P.lq + QB - 1) / QB;
+  const int64_t qb = task % nqb, hi = (task / nqb) % P.h, bi = task / (nqb * P.h);
+  const int64_t q0 = qb * QB, rows = std::min<int64_t>(QB, P.lq - q0), G = P.g, dv = d / 16;
+  float* kt = buf.data();                // [d, KB]
+  float* s = kt + d * KB;                // [QB, KB]
+  float* mk = s + QB * KB;               // [QB, KB]
+  float* m = mk + QB * KB;               // [G, QB]
+  float* l = m + G * QB;                 // [G, QB]
+  float* acc = l + G * QB;               // [G, QB, d]
+  float* qbuf = acc + G * QB * d;        // [G, QB, d]: the task's queries, zero rows past the end
+  std::fill(m, m + G * QB, MASK_VALUE);
+  std::fill(l, l + G * QB, 0.f);
+  std::fill(acc, acc + G * QB * d, 0.f);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    const float* qg = P.q + ((bi * P.h + hi) * G + gi) * P.lq * d + q0 * d;
+    std::copy(qg, qg + rows * d, qbuf + gi * QB * d);
+    std::fill(qbuf + gi * QB * d + rows * d, qbuf + (gi + 1) * QB * d, 0.f);
+  }
+  const float* kh = P.k + (bi * P.h + hi) * P.lk * d;
+  const float* vh = P.v + (bi * P.h + hi) * P.lk * d;
+  for (int64_t k0 = 0; k0 < P.lk; k0 += KB) {
+    const int64_t cols = std::min<int64_t>(KB, P.lk - k0);
+    const int cls = tile_class(P, bi, q0, rows, k0, cols);
+    if (cls == 0) continue;
+    bool any = cls == 2;
+    if (cls == 1) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < KB; ++c) {
+          const bool ok = c < cols && allowed(P, bi, q0 + r, k0 + c);
+          mk[r * KB + c] = ok ? 1.f : 0.f;
+          any = any || ok;
+        }
+      if (!any) continue;
+    }
+    for (int64_t p = 0; p < d; ++p)
+      for (int64_t c = 0; c < KB; ++c) kt[p * KB + c] = c < cols ? kh[(k0 + c) * d + p] : 0.f;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const float* qg = qbuf + gi * QB * d;
+      // s = q k^T: RB rows x 32 columns in registers
+      for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+        for (int64_t c0 = 0; c0 < KB; c0 += 32) {
+          v16 a[RB][2] = {};
+          for (int64_t p = 0; p < d; ++p) {
+            const v16 k0v = load(kt + p * KB + c0), k1v = load(kt + p * KB + c0 + 16);
+            for (int x = 0; x < RB; ++x) {
+              const float qv = qg[(r0 + x) * d + p];
+              a[x][0] += qv * k0v;
+              a[x][1] += qv * k1v;
+            }
+          }
+          for (int x = 0; x < RB; ++x) { store(s + (r0 + x) * KB + c0, a[x][0]); store(s + (r0 + x) * KB + c0 + 16, a[x][1]); }
+        }
+      }
+      float* mg = m + gi * QB;
+      float* lg = l + gi * QB;
+      float* ag = acc + gi * QB * d;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = s + r * KB;
+        const float* mr = mk + r * KB;
+        // masked and padding entries to MASK_VALUE, then the row max over 16 lanes
+        v16 mxv = v16{} + mg[r];
+        for (int64_t c = 0; c < KB; c += 16) {
+          v16 sv = load(sr + c);
+          if (cls == 1) {
+            sv = load(mr + c) != 0.f ? sv : (v16{} + MASK_VALUE);
+          } else if (c + 16 > cols) {
+            for (int64_t t = 0; t < 16; ++t) if (c + t >= cols) sv[t] = MASK_VALUE;
+          }
+          store(sr + c, sv);
+          mxv = sv > mxv ? sv : mxv;
+        }
+        float mx = mxv[0];
+        for (int t = 1; t < 16; ++t) mx = std::max(mx, mxv[t]);
+        v16 sum = {};
+        const v16 mv = v16{} + mx;
+        for (int64_t c = 0; c < KB; c += 16) {
+          v16 pv = vexp(load(sr + c) - mv);
+          if (cls == 1) {
+            pv *= load(mr + c);
+          } else if (c + 16 > cols) {
+            for (int64_t t = 0; t < 16; ++t) if (c + t >= cols) pv[t] = 0.f;
+          }
+          store(sr + c, pv);
+          sum += pv;
+        }
+        float rowsum = 0.f;
+        for (int t = 0; t < 16; ++t) rowsum += sum[t];
+        const float alpha = std::exp(mg[r] - mx);
+        lg[r] = alpha * lg[r] + rowsum;
+        mg[r] = mx;
+        pv_any(ag + r * d, sr, vh + k0 * d, cols, alpha, dv);
+      }
+    }
+  }
+  for (int64_t gi = 0; gi < G; ++gi) {
+    const int64_t row0 = ((bi * P.h + hi) * G + gi) * P.lq + q0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float lr = l[gi * QB + r];
+      const bool seen = lr > 0.f;
+      float* o = P.out + (row0 + r) * d;
+      const float* ar = acc + (gi * QB + r) * d;
+      for (int64_t j = 0; j < d; ++j) o[j] = seen ? ar[j] / lr : 0.f;
+      P.lse[row0 + r] = seen ? m[gi * QB + r] + std::log(lr) : MASK_VALUE;
+    }
+  }
+}
+
+static int cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+static ffi::Error FlashForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                               ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_order,
+                               ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_glob,
+                               ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_order,
+                               ffi::Buffer<ffi::S32> kv_pos, int64_t mode, int64_t window,
+                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || qd[4] % 16 != 0)
+    return ffi::Error::InvalidArgument("rag_jax_flash_forward: q [b, h, g, Lq, d], k/v [b, h, Lk, d], d % 16 == 0");
+  Problem P{q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(), lse->typed_data(),
+            {q_seg.typed_data(), q_order.typed_data(), q_pos.typed_data(), q_glob.typed_data()},
+            {kv_seg.typed_data(), kv_order.typed_data(), kv_pos.typed_data(), nullptr},
+            qd[0], qd[1], qd[2], qd[3], kd[2], qd[4], mode, window};
+  const int64_t tasks = P.b * P.h * ((P.lq + QB - 1) / QB);
+  const size_t floats = P.d * KB + 2 * QB * KB + 2 * P.g * QB + 2 * P.g * QB * P.d;
+  std::atomic<int64_t> next{0};
+  auto work = [&]() {
+    std::vector<float> buf(floats);
+    for (int64_t t; (t = next.fetch_add(1)) < tasks;) run_task(P, t, buf);
+  };
+  const int n = (int)std::min<int64_t>(cores(), tasks);
+  std::vector<std::thread> helpers;
+  for (int i = 1; i < n; ++i) helpers.emplace_back(work);
+  work();
+  for (auto& t : helpers) t.join();
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RagJaxFlashForward, FlashForward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("window")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

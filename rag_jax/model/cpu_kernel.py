@@ -1,0 +1,102 @@
+"""The fused CPU attention forward (``cpu_attention.cc``) through ``jax.ffi``, built on first use.
+
+``blockwise`` calls ``flash_forward`` for its forward pass on the CPU backend when the kernel is available: the
+C++ source is compiled once per machine with the system's C++ compiler (``$CXX``, else ``g++`` / ``c++`` /
+``clang++``; ``-O3 -march=native``) into ``$RAG_JAX_CACHE`` (default ``~/.cache/rag_jax``), the file named by
+the hash of the source, the flags, the compiler's version and the CPU's model and flags, written atomically, then
+registered as an XLA FFI target. Without a compiler, or when the build fails, or with ``RAG_JAX_CPU_KERNEL=0``,
+``available()`` is False and the pure-JAX tile loop runs (same values to float32 rounding; the backward pass is
+always JAX). The kernel's design (one task per batch row, KV head and 64-query block over all cores, the mask
+predicate of ``masks.py`` on each 128-key tile unless a range test proves it empty or full, the online softmax in
+registers) is in the source.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("cpu_attention.cc")
+TARGET = "rag_jax_flash_forward"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+MODES = {"causal": 0, "bidirectional": 1, "block": 2}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(keep)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(cxx: str) -> Path:
+    """The shared library for this source, flags, compiler and CPU (compiled when not cached)."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id(),
+                                    jax.ffi.include_dir()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("RAG_JAX_CACHE", Path.home() / ".cache" / "rag_jax"))
+    lib = cache / f"cpu_attention_{key}.so"
+    if lib.is_file():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        out = Path(tmp) / lib.name
+        subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(out)],
+                       capture_output=True, text=True, check=True)
+        os.replace(out, lib)                 # atomic: a concurrent builder writes the same file
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the fused kernel is built and registered (once per process; False when disabled or unbuildable)."""
+    if os.environ.get("RAG_JAX_CPU_KERNEL", "1") == "0":
+        return False
+    cxx = _compiler()
+    if cxx is None:
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RagJaxFlashForward), platform="cpu")
+    return True
+
+
+def supported(q, spec) -> bool:
+    """Static check: float32 q, head_dim a multiple of 16 (the kernel's vector width)."""
+    return q.dtype == jnp.float32 and q.shape[-1] % 16 == 0 and spec.mode in MODES
+
+
+def flash_forward(q, k, v, spec):
+    """``(out [b, h, g, q_len, d], lse float32 [b, h, g, q_len])`` for kernel-layout ``q`` (``blockwise.kernel_layout``:
+    scaled by 1/sqrt(d)), ``k`` / ``v`` ``[b, h, kv_len, d]`` and a ``MaskSpec`` of matching lengths; a fully masked
+    row gives zeros and ``lse = MASK_VALUE``, as the JAX path. Needs ``available()`` and ``supported``."""
+    b, h, g, q_len, d = q.shape
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+    fields = [i32(x) for x in (*spec.q_fields(), *spec.kv_fields())]
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                     jax.ShapeDtypeStruct((b, h, g, q_len), jnp.float32)),
+                             vmap_method="sequential")
+    return call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), *fields,
+                mode=np.int64(MODES[spec.mode]),
+                window=np.int64(-1 if spec.sliding_window is None else spec.sliding_window))
