@@ -65,6 +65,24 @@ static inline void pv_row(float* ar, const float* pr, const float* vh, int64_t c
   for (int j = 0; j < DV; ++j) store(ar + 16 * j, r[j]);
 }
 
+// pv_row for RB consecutive rows (p rows KB apart, acc rows 16 DV apart): each v row loaded once for all RB.
+template <int DV>
+static inline void pv_rows(float* ar, const float* pr, const float* vh, int64_t cols, const float* alpha) {
+  v16 r[RB][DV];
+  for (int x = 0; x < RB; ++x)
+    for (int j = 0; j < DV; ++j) r[x][j] = load(ar + x * 16 * DV + 16 * j) * alpha[x];
+  for (int64_t c = 0; c < cols; ++c) {
+    v16 vv[DV];
+    for (int j = 0; j < DV; ++j) vv[j] = load(vh + c * 16 * DV + 16 * j);
+    for (int x = 0; x < RB; ++x) {
+      const float pc = pr[x * KB + c];
+      for (int j = 0; j < DV; ++j) r[x][j] += pc * vv[j];
+    }
+  }
+  for (int x = 0; x < RB; ++x)
+    for (int j = 0; j < DV; ++j) store(ar + x * 16 * DV + 16 * j, r[x][j]);
+}
+
 static void pv_any(float* ar, const float* pr, const float* vh, int64_t cols, float alpha, int64_t dv) {
   switch (dv) {
     case 1: return pv_row<1>(ar, pr, vh, cols, alpha);
@@ -128,6 +146,7 @@ static void run_task(const Problem& P, int64_t task, std::vector<float>& buf) {
   float* l = m + G * QB;                 // [G, QB]
   float* acc = l + G * QB;               // [G, QB, d]
   float* qbuf = acc + G * QB * d;        // [G, QB, d]: the task's queries, zero rows past the end
+  float* alphas = qbuf + G * QB * d;     // [QB]: this tile's rescale factor per row
   std::fill(m, m + G * QB, MASK_VALUE);
   std::fill(l, l + G * QB, 0.f);
   std::fill(acc, acc + G * QB * d, 0.f);
@@ -208,7 +227,16 @@ static void run_task(const Problem& P, int64_t task, std::vector<float>& buf) {
         const float alpha = std::exp(mg[r] - mx);
         lg[r] = alpha * lg[r] + rowsum;
         mg[r] = mx;
-        pv_any(ag + r * d, sr, vh + k0 * d, cols, alpha, dv);
+        alphas[r] = alpha;
+      }
+      for (int64_t r = 0; r < rows; r += RB) {
+        if (r + RB <= rows && (dv == 4 || dv == 2)) {
+          if (dv == 4) pv_rows<4>(ag + r * d, s + r * KB, vh + k0 * d, cols, alphas + r);
+          else pv_rows<2>(ag + r * d, s + r * KB, vh + k0 * d, cols, alphas + r);
+        } else {
+          for (int64_t x = r; x < std::min<int64_t>(r + RB, rows); ++x)
+            pv_any(ag + x * d, s + x * KB, vh + k0 * d, cols, alphas[x], dv);
+        }
       }
     }
   }
@@ -245,7 +273,7 @@ static ffi::Error FlashForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
             {kv_seg.typed_data(), kv_order.typed_data(), kv_pos.typed_data(), nullptr},
             qd[0], qd[1], qd[2], qd[3], kd[2], qd[4], mode, window};
   const int64_t tasks = P.b * P.h * ((P.lq + QB - 1) / QB);
-  const size_t floats = P.d * KB + 2 * QB * KB + 2 * P.g * QB + 2 * P.g * QB * P.d;
+  const size_t floats = P.d * KB + 2 * QB * KB + 2 * P.g * QB + 2 * P.g * QB * P.d + QB;
   std::atomic<int64_t> next{0};
   auto work = [&]() {
     std::vector<float> buf(floats);
