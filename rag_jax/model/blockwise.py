@@ -10,6 +10,9 @@ dense reference uses. A custom VJP recomputes tiles in the backward pass from th
 saved per-row log-sum-exp, so training memory is O(seq), not O(seq²). GQA is computed per KV head with
 the query heads of the group as an extra free dimension (k / v are never repeated).
 
+On the CPU backend the forward pass runs the fused C++ kernel of ``cpu_kernel`` (same algorithm, one thread
+per task over all cores) where it is built; the tile loop here is the fallback and always the backward pass.
+
 A fully masked query row (padding) yields a zero output and ``lse = MASK_VALUE``.
 """
 from __future__ import annotations
@@ -95,9 +98,11 @@ def _forward(q, k, v, spec, classes, qc, kc):
 def _forward_any(q, k, v, spec, classes, qc, kc):
     """The fused C++ forward (``cpu_kernel``) on the CPU backend where it is built and applies, else ``_forward``;
     the same ``(out, lse)``."""
-    if jax.default_backend() == "cpu" and cpu_kernel.supported(q, spec) and cpu_kernel.available():
-        return cpu_kernel.flash_forward(q, k, v, spec)
-    return _forward(q, k, v, spec, classes, qc, kc)
+    plain = functools.partial(_forward, classes=classes, qc=qc, kc=kc)
+    if not (cpu_kernel.supported(q, spec) and cpu_kernel.available()):
+        return plain(q, k, v, spec)
+    # chosen by the platform the program is lowered for (an AOT compile for TPU on a CPU host keeps the JAX path)
+    return jax.lax.platform_dependent(q, k, v, spec, cpu=cpu_kernel.flash_forward, default=plain)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
