@@ -303,9 +303,14 @@ def evaluate(models: dict, examples, texts, gold_ids, heldout, negatives, positi
                       for pr, i in zip(preds[pos], heldout)]
                 cond[pos] = {"subspan_em": float(np.mean(em)), "seconds": seconds / len(positions),
                              "cpu_seconds": cpu / len(positions), "predictions": preds[pos]}
-                print(f"  {mode} attention{name}, gold at {pos}: best-subspan EM {np.mean(em):.3f}", flush=True)
-            print(f"  ({mode} attention{name}: {seconds:.0f} s wall, {cpu:.0f} s CPU for {len(heldout)} questions x "
-                  f"{len(positions)} positions)", flush=True)
+                if mode != "closed":
+                    print(f"  {mode} attention{name}, gold at {pos}: best-subspan EM {np.mean(em):.3f}", flush=True)
+            if mode == "closed":
+                print(f"  closed book{name} (no passages): best-subspan EM {cond[positions[0]]['subspan_em']:.3f} "
+                      f"({seconds:.0f} s wall, {cpu:.0f} s CPU for {len(heldout)} questions)", flush=True)
+            else:
+                print(f"  ({mode} attention{name}: {seconds:.0f} s wall, {cpu:.0f} s CPU for {len(heldout)} questions "
+                      f"x {len(positions)} positions)", flush=True)
             jax.clear_caches()                    # compiled programs of this condition's shapes: memory
             if args.out is not None:
                 write_text(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
