@@ -99,9 +99,10 @@ def _forward_any(q, k, v, spec, classes, qc, kc):
     """The fused C++ forward (``cpu_kernel``) on the CPU backend where it is built and applies, else ``_forward``;
     the same ``(out, lse)``."""
     plain = functools.partial(_forward, classes=classes, qc=qc, kc=kc)
-    if not (cpu_kernel.supported(q, spec) and cpu_kernel.available()):
+    # a CPU host only (no compiler run on a GPU / TPU machine); an AOT compile for TPU on a CPU host keeps the JAX
+    # path through platform_dependent, which picks by the platform the program is lowered for
+    if not (jax.default_backend() == "cpu" and cpu_kernel.supported(q, spec) and cpu_kernel.available()):
         return plain(q, k, v, spec)
-    # chosen by the platform the program is lowered for (an AOT compile for TPU on a CPU host keeps the JAX path)
     return jax.lax.platform_dependent(q, k, v, spec, cpu=cpu_kernel.flash_forward, default=plain)
 
 
