@@ -142,3 +142,23 @@ def test_init_train_state_from_given_params(params):
     leaf = jax.tree.leaves(state.params)[0]
     assert leaf.dtype == np.float32
     np.testing.assert_array_equal(np.asarray(leaf), np.asarray(jax.tree.leaves(half)[0]).astype(np.float32))
+
+
+def test_cpu_train_step_fuses_only_dots_into_xnnpack(monkeypatch):
+    """On CPU the step compiles with ``CPU_TRAIN_COMPILER_OPTIONS``: every XNNPACK fusion holds a dot, where the
+    same step without the option also has elementwise-only ones."""
+    import re
+    from rag_jax.benchmarks.train_bench import lm_rows
+    tx, mesh = optax.sgd(0.5), sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+    graphdef, state, shardings = step_lib.init_train_state(CFG, tx, mesh, seed=0)
+    batch = lm_rows(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 24)).astype(np.int32), mesh)
+    assert step_lib.compiler_options(mesh) == step_lib.CPU_TRAIN_COMPILER_OPTIONS
+
+    def ynn_bodies():
+        text = step_lib.make_train_step(graphdef, tx, LMLoss(), shardings, mesh).lower(state, batch).compile().as_text()
+        calls = re.findall(r"calls=%([\w.\-]+), .*__ynn_fusion", text)
+        return [text.split(f"%{c} (", 1)[1].split("\n}\n", 1)[0] for c in calls]
+    bodies = ynn_bodies()
+    assert bodies and all(" dot(" in b for b in bodies)
+    monkeypatch.setattr(step_lib, "compiler_options", lambda mesh: None)
+    assert any(" dot(" not in b for b in ynn_bodies())
