@@ -1,5 +1,6 @@
-"""The fused CPU attention forward (``rag_jax/model/cpu_kernel.py``, ``cpu_attention.cc``): outputs and log-sum-exp
-equal the pure-JAX tile loop (``blockwise._forward``) on every mask structure of ``test_attention_impls`` and on
+"""The fused CPU attention kernels (``rag_jax/model/cpu_kernel.py``, ``cpu_attention.cc``): outputs and log-sum-exp
+(forward) and dq / dk / dv (backward) equal the pure-JAX tile loops (``blockwise._forward`` / ``_backward``) on
+every mask structure of ``test_attention_impls`` and on
 head sizes taking each vector path (16, 48, 64, 128), ``blockwise_attention`` runs it on CPU, and the build is cached
 by content. Skipped where no C++ compiler is installed (CI installs g++)."""
 import numpy as np
@@ -55,3 +56,42 @@ def test_blockwise_attention_calls_the_fused_kernel_on_cpu_and_the_build_is_cach
     assert cpu_kernel.TARGET in text
     lib = cpu_kernel._build(cpu_kernel._compiler())
     assert lib.is_file() and cpu_kernel._build(cpu_kernel._compiler()) == lib
+
+
+
+def _both_grads(q, k, v, spec):
+    """(dq, dk, dv) of the kernel-layout tensors through the fused backward and through the JAX tile loop, for
+    fresh output and log-sum-exp cotangents (the joint-softmax merge differentiates lse too)."""
+    qt, kt, vt = blockwise.kernel_layout(q, k, v, 0, 0)
+    classes = spec.chunk_classes(1, 1)
+    out, lse = jax.jit(lambda *a: blockwise._forward(*a, classes, 1, 1))(qt, kt, vt, spec)
+    rng = np.random.default_rng()
+    d_out = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+    d_lse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32) * (lse > blockwise.MASK_VALUE / 2)
+    delta = jnp.einsum("bhgqd,bhgqd->bhgq", d_out, out) - d_lse
+    fused = jax.jit(cpu_kernel.flash_backward)(qt, kt, vt, spec, lse, d_out, delta)
+    plain = jax.jit(lambda *a: blockwise._backward(*a, classes, 1, 1))(qt, kt, vt, spec, lse, d_out, delta)
+    return fused, plain
+
+
+def _assert_grads_close(fused, plain):
+    for got, want in zip(fused, plain):
+        assert float(jnp.abs(want).max()) > 0.05
+        np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()), rtol=0)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fused_backward_equals_the_jax_tile_loop(name):
+    _assert_grads_close(*_both_grads(*_case(name, np.random.default_rng())))
+
+
+@pytest.mark.parametrize("d", [16, 48, 64, 128])
+def test_fused_backward_head_sizes_ragged_lengths_and_cache(d):
+    rng = np.random.default_rng()
+    q_len, cache = int(rng.integers(70, 300)), int(rng.integers(0, 200))
+    q, k, v = _qkv(rng, 2, q_len, q_len + cache, heads=6, kv_heads=2, d=d)
+    q_seg, kv_seg = np.ones((2, q_len), np.int32), np.ones((2, q_len + cache), np.int32)
+    q_seg[1, q_len - 5:] = kv_seg[1, q_len + cache - 5:] = 0
+    fused, plain = _both_grads(q, k, v, MaskSpec.create("causal", q_seg, kv_seg))
+    _assert_grads_close(fused, plain)
+    assert not np.asarray(fused[0])[1, :, :, q_len - 5:].any()      # padding queries get no gradient

@@ -10,8 +10,8 @@ dense reference uses. A custom VJP recomputes tiles in the backward pass from th
 saved per-row log-sum-exp, so training memory is O(seq), not O(seq²). GQA is computed per KV head with
 the query heads of the group as an extra free dimension (k / v are never repeated).
 
-On the CPU backend the forward pass runs the fused C++ kernel of ``cpu_kernel`` (same algorithm, one thread
-per task over all cores) where it is built; the tile loop here is the fallback and always the backward pass.
+On the CPU backend both passes run the fused C++ kernels of ``cpu_kernel`` (same algorithms, one thread per
+task over all cores) where they are built; the tile loops here are the fallback.
 
 A fully masked query row (padding) yields a zero output and ``lse = MASK_VALUE``.
 """
@@ -118,12 +118,26 @@ def _flash_fwd(q, k, v, spec, classes, qc, kc, bwd_tiles):
 
 def _flash_bwd(qc, kc, bwd_tiles, res, cotangents):
     q, k, v, spec, classes, out, lse = res
+    d_out, d_lse = cotangents
+    delta = jnp.einsum("bhgqd,bhgqd->bhgq", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
     if bwd_tiles != (qc, kc):  # the backward's own tile sizes (they divide the forward's)
         (qc, kc), classes = bwd_tiles, spec.chunk_classes(*bwd_tiles)
-    d_out, d_lse = cotangents
+    plain = functools.partial(_backward, classes=classes, qc=qc, kc=kc)
+    if jax.default_backend() == "cpu" and cpu_kernel.supported(q, spec) and cpu_kernel.available():
+        dq, dk, dv = jax.lax.platform_dependent(q, k, v, spec, lse, d_out, delta, cpu=cpu_kernel.flash_backward,
+                                                default=plain)
+    else:
+        dq, dk, dv = plain(q, k, v, spec, lse, d_out, delta)
+
+    def no_grad(x):
+        return np.zeros(x.shape, jax.dtypes.float0)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jax.tree.map(no_grad, spec), no_grad(classes))
+
+
+def _backward(q, k, v, spec, lse, d_out, delta, classes, qc, kc):
+    """The JAX tile loop of the backward: float32 ``(dq, dk, dv)`` (the fused kernel's fallback)."""
     b, h, g, q_len, d = q.shape
     lo, hi = _chunk_ranges(classes)
-    delta = jnp.einsum("bhgqd,bhgqd->bhgq", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
 
     def q_tile(carry, i):
         do_i = _slice(d_out, i * qc, qc, 3)
@@ -151,11 +165,7 @@ def _flash_bwd(qc, kc, bwd_tiles, res, cotangents):
 
     zeros_kv = jnp.zeros(k.shape, jnp.float32)
     (dk, dv), dq = jax.lax.scan(q_tile, (zeros_kv, zeros_kv), jnp.arange(q_len // qc))
-    dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)
-
-    def no_grad(x):
-        return np.zeros(x.shape, jax.dtypes.float0)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jax.tree.map(no_grad, spec), no_grad(classes))
+    return jnp.moveaxis(dq, 0, 3).reshape(q.shape), dk, dv
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

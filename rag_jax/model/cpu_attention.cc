@@ -65,17 +65,19 @@ static inline void pv_row(float* ar, const float* pr, const float* vh, int64_t c
   for (int j = 0; j < DV; ++j) store(ar + 16 * j, r[j]);
 }
 
-// pv_row for RB consecutive rows (p rows KB apart, acc rows 16 DV apart): each v row loaded once for all RB.
+// pv_row for RB consecutive rows (p rows ps apart, acc rows 16 DV apart): each v row loaded once for all RB.
+// alpha: per-row rescale of acc (nullptr: none).
 template <int DV>
-static inline void pv_rows(float* ar, const float* pr, const float* vh, int64_t cols, const float* alpha) {
+static inline void pv_rows(float* ar, const float* pr, const float* vh, int64_t cols, const float* alpha,
+                           int64_t ps = KB) {
   v16 r[RB][DV];
   for (int x = 0; x < RB; ++x)
-    for (int j = 0; j < DV; ++j) r[x][j] = load(ar + x * 16 * DV + 16 * j) * alpha[x];
+    for (int j = 0; j < DV; ++j) r[x][j] = alpha ? load(ar + x * 16 * DV + 16 * j) * alpha[x] : load(ar + x * 16 * DV + 16 * j);
   for (int64_t c = 0; c < cols; ++c) {
     v16 vv[DV];
     for (int j = 0; j < DV; ++j) vv[j] = load(vh + c * 16 * DV + 16 * j);
     for (int x = 0; x < RB; ++x) {
-      const float pc = pr[x * KB + c];
+      const float pc = pr[x * ps + c];
       for (int j = 0; j < DV; ++j) r[x][j] += pc * vv[j];
     }
   }
@@ -93,6 +95,40 @@ static void pv_any(float* ar, const float* pr, const float* vh, int64_t cols, fl
   for (int64_t j = 0; j < dv; ++j) store(ar + 16 * j, load(ar + 16 * j) * alpha);
   for (int64_t c = 0; c < cols; ++c)
     for (int64_t j = 0; j < dv; ++j) store(ar + 16 * j, load(ar + 16 * j) + pr[c] * load(vh + c * 16 * dv + 16 * j));
+}
+
+// s [QB, KB] = q [QB, d] (zero rows past `rows`) times kt [d, KB]: RB rows x 32 columns in registers.
+static inline void qk_tile(const float* qg, const float* kt, float* s, int64_t rows, int64_t d) {
+  for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+    for (int64_t c0 = 0; c0 < KB; c0 += 32) {
+      v16 a[RB][2] = {};
+      for (int64_t p = 0; p < d; ++p) {
+        const v16 k0v = load(kt + p * KB + c0), k1v = load(kt + p * KB + c0 + 16);
+        for (int x = 0; x < RB; ++x) {
+          const float qv = qg[(r0 + x) * d + p];
+          a[x][0] += qv * k0v;
+          a[x][1] += qv * k1v;
+        }
+      }
+      for (int x = 0; x < RB; ++x) { store(s + (r0 + x) * KB + c0, a[x][0]); store(s + (r0 + x) * KB + c0 + 16, a[x][1]); }
+    }
+  }
+}
+
+// acc rows [n, d] += p rows [n, ps stride] times v rows [cols, d] (RB rows at a time where the head size allows).
+static void axpy_rows(float* acc, const float* p, int64_t ps, const float* v, int64_t n, int64_t cols, int64_t d) {
+  const int64_t dv = d / 16;
+  for (int64_t r = 0; r < n; r += RB) {
+    if (r + RB <= n && dv == 4) { pv_rows<4>(acc + r * d, p + r * ps, v, cols, nullptr, ps); continue; }
+    if (r + RB <= n && dv == 2) { pv_rows<2>(acc + r * d, p + r * ps, v, cols, nullptr, ps); continue; }
+    if (r + RB <= n && dv == 8) { pv_rows<8>(acc + r * d, p + r * ps, v, cols, nullptr, ps); continue; }
+    for (int64_t x = r; x < std::min<int64_t>(r + RB, n); ++x)
+      for (int64_t c = 0; c < cols; ++c) {
+        const float pc = p[x * ps + c];
+        if (pc == 0.f) continue;
+        for (int64_t j = 0; j < dv; ++j) store(acc + x * d + 16 * j, load(acc + x * d + 16 * j) + pc * load(v + c * d + 16 * j));
+      }
+  }
 }
 
 struct Fields {  // [batch, len] int32 each
@@ -175,21 +211,7 @@ static void run_task(const Problem& P, int64_t task, std::vector<float>& buf) {
       for (int64_t c = 0; c < KB; ++c) kt[p * KB + c] = c < cols ? kh[(k0 + c) * d + p] : 0.f;
     for (int64_t gi = 0; gi < G; ++gi) {
       const float* qg = qbuf + gi * QB * d;
-      // s = q k^T: RB rows x 32 columns in registers
-      for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-        for (int64_t c0 = 0; c0 < KB; c0 += 32) {
-          v16 a[RB][2] = {};
-          for (int64_t p = 0; p < d; ++p) {
-            const v16 k0v = load(kt + p * KB + c0), k1v = load(kt + p * KB + c0 + 16);
-            for (int x = 0; x < RB; ++x) {
-              const float qv = qg[(r0 + x) * d + p];
-              a[x][0] += qv * k0v;
-              a[x][1] += qv * k1v;
-            }
-          }
-          for (int x = 0; x < RB; ++x) { store(s + (r0 + x) * KB + c0, a[x][0]); store(s + (r0 + x) * KB + c0 + 16, a[x][1]); }
-        }
-      }
+      qk_tile(qg, kt, s, rows, d);
       float* mg = m + gi * QB;
       float* lg = l + gi * QB;
       float* ag = acc + gi * QB * d;
@@ -301,5 +323,149 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RagJaxFlashForward, FlashForward,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("mode")
                                   .Attr<int64_t>("window")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// ---- Backward (FlashAttention-2, Dao 2023, Alg. 2; dS = P o (dP - delta), delta = rowsum(dO o O) - d_lse) ----
+// One task = one (batch row, KV head, block of KB keys): its dK, dV rows stay in the task's buffers while it
+// visits every block of QB queries (all query heads of the group) the mask lets reach it, recomputing
+// P = exp(q k^T - lse) and dP = dO v^T; dQ accumulates in one buffer per thread, summed at the end.
+
+struct BwdProblem {
+  Problem f;                            // q, k, v, lse (out unused), fields and shape as the forward
+  const float *dout, *delta;            // [b, h, g, Lq, d], [b, h, g, Lq]
+  float *dk, *dv;                       // [b, h, Lk, d]
+};
+
+static void run_bwd_task(const BwdProblem& B, int64_t task, std::vector<float>& buf, float* dq) {
+  const Problem& P = B.f;
+  const int64_t d = P.d, nkb = (P.lk + KB - 1) / KB, G = P.g;
+  const int64_t kb = task % nkb, hi = (task / nkb) % P.h, bi = task / (nkb * P.h);
+  const int64_t k0 = kb * KB, cols = std::min<int64_t>(KB, P.lk - k0);
+  float* kt = buf.data();                // [d, KB]
+  float* vt = kt + d * KB;               // [d, KB]
+  float* pm = vt + d * KB;               // [QB, KB] P
+  float* ds = pm + QB * KB;              // [QB, KB] dP, then dS
+  float* mk = ds + QB * KB;              // [QB, KB] mask
+  float* pt = mk + QB * KB;              // [KB, QB] P^T
+  float* dst = pt + KB * QB;             // [KB, QB] dS^T
+  float* qb = dst + KB * QB;             // [QB, d] queries, zero rows past the end
+  float* ob = qb + QB * d;               // [QB, d] dO, zero rows past the end
+  float* dka = ob + QB * d;              // [KB, d]
+  float* dva = dka + KB * d;             // [KB, d]
+  const float* kh = P.k + (bi * P.h + hi) * P.lk * d + k0 * d;
+  const float* vh = P.v + (bi * P.h + hi) * P.lk * d + k0 * d;
+  for (int64_t p = 0; p < d; ++p)
+    for (int64_t c = 0; c < KB; ++c) {
+      kt[p * KB + c] = c < cols ? kh[c * d + p] : 0.f;
+      vt[p * KB + c] = c < cols ? vh[c * d + p] : 0.f;
+    }
+  std::fill(dka, dka + 2 * KB * d, 0.f);
+  for (int64_t q0 = 0; q0 < P.lq; q0 += QB) {
+    const int64_t rows = std::min<int64_t>(QB, P.lq - q0);
+    const int cls = tile_class(P, bi, q0, rows, k0, cols);
+    if (cls == 0) continue;
+    bool any = cls == 2;
+    for (int64_t r = 0; r < QB; ++r)
+      for (int64_t c = 0; c < KB; ++c) {
+        const bool ok = r < rows && c < cols && (cls == 2 || allowed(P, bi, q0 + r, k0 + c));
+        mk[r * KB + c] = ok ? 1.f : 0.f;
+        any = any || ok;
+      }
+    if (!any) continue;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const int64_t row0 = ((bi * P.h + hi) * G + gi) * P.lq + q0;
+      std::copy(P.q + row0 * d, P.q + (row0 + rows) * d, qb);
+      std::fill(qb + rows * d, qb + QB * d, 0.f);
+      std::copy(B.dout + row0 * d, B.dout + (row0 + rows) * d, ob);
+      std::fill(ob + rows * d, ob + QB * d, 0.f);
+      qk_tile(qb, kt, pm, QB, d);        // s
+      qk_tile(ob, vt, ds, QB, d);        // dP
+      for (int64_t r = 0; r < QB; ++r) {
+        const v16 lse = v16{} + (r < rows ? P.lse[row0 + r] : 0.f);
+        const v16 dl = v16{} + (r < rows ? B.delta[row0 + r] : 0.f);
+        for (int64_t c = 0; c < KB; c += 16) {
+          const v16 m = load(mk + r * KB + c);
+          const v16 pv = vexp(load(pm + r * KB + c) - lse) * m;
+          store(pm + r * KB + c, pv);
+          store(ds + r * KB + c, pv * (load(ds + r * KB + c) - dl));
+        }
+      }
+      for (int64_t r = 0; r < QB; ++r)
+        for (int64_t c = 0; c < KB; ++c) {
+          pt[c * QB + r] = pm[r * KB + c];
+          dst[c * QB + r] = ds[r * KB + c];
+        }
+      axpy_rows(dva, pt, QB, ob, KB, QB, d);            // dV += P^T dO
+      axpy_rows(dka, dst, QB, qb, KB, QB, d);           // dK += dS^T q
+      axpy_rows(dq + row0 * d, ds, KB, kh, rows, cols, d);  // dQ += dS k
+    }
+  }
+  float* dk = B.dk + (bi * P.h + hi) * P.lk * d + k0 * d;
+  float* dv = B.dv + (bi * P.h + hi) * P.lk * d + k0 * d;
+  std::copy(dka, dka + cols * d, dk);
+  std::copy(dva, dva + cols * d, dv);
+}
+
+static ffi::Error FlashBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                                ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> delta,
+                                ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_order,
+                                ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_glob,
+                                ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_order,
+                                ffi::Buffer<ffi::S32> kv_pos, int64_t mode, int64_t window,
+                                ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                                ffi::ResultBuffer<ffi::F32> dv) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || qd[4] % 16 != 0)
+    return ffi::Error::InvalidArgument("rag_jax_flash_backward: q [b, h, g, Lq, d], k/v [b, h, Lk, d], d % 16 == 0");
+  BwdProblem B{{q.typed_data(), k.typed_data(), v.typed_data(), nullptr, const_cast<float*>(lse.typed_data()),
+                {q_seg.typed_data(), q_order.typed_data(), q_pos.typed_data(), q_glob.typed_data()},
+                {kv_seg.typed_data(), kv_order.typed_data(), kv_pos.typed_data(), nullptr},
+                qd[0], qd[1], qd[2], qd[3], kd[2], qd[4], mode, window},
+               dout.typed_data(), delta.typed_data(), dk->typed_data(), dv->typed_data()};
+  const Problem& P = B.f;
+  const int64_t tasks = P.b * P.h * ((P.lk + KB - 1) / KB), dq_size = P.b * P.h * P.g * P.lq * P.d;
+  const size_t floats = 2 * P.d * KB + 3 * QB * KB + 2 * KB * QB + 2 * QB * P.d + 2 * KB * P.d;
+  const int n = (int)std::max<int64_t>(1, std::min<int64_t>(cores(), tasks));
+  float* out = dq->typed_data();
+  std::vector<std::vector<float>> partial(n - 1);   // thread 0 accumulates into the output itself
+  std::atomic<int64_t> next{0};
+  auto work = [&](int t) {
+    std::vector<float> buf(floats);
+    float* acc = out;
+    if (t > 0) { partial[t - 1].assign(dq_size, 0.f); acc = partial[t - 1].data(); }
+    for (int64_t i; (i = next.fetch_add(1)) < tasks;) run_bwd_task(B, i, buf, acc);
+  };
+  std::fill(out, out + dq_size, 0.f);
+  std::vector<std::thread> helpers;
+  for (int i = 1; i < n; ++i) helpers.emplace_back(work, i);
+  work(0);
+  for (auto& t : helpers) t.join();
+  for (const auto& part : partial)
+    for (int64_t i = 0; i < dq_size; i += 16) {
+      if (i + 16 <= dq_size) store(out + i, load(out + i) + load(part.data() + i));
+      else for (int64_t j = i; j < dq_size; ++j) out[j] += part[j];
+    }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RagJaxFlashBackward, FlashBackward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("window")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

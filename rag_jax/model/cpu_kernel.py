@@ -1,14 +1,15 @@
-"""The fused CPU attention forward (``cpu_attention.cc``) through ``jax.ffi``, built on first use.
+"""The fused CPU attention kernels (``cpu_attention.cc``: forward and backward) through ``jax.ffi``, built on first use.
 
-``blockwise`` calls ``flash_forward`` for its forward pass on the CPU backend when the kernel is available: the
-C++ source is compiled once per machine with the system's C++ compiler (``$CXX``, else ``g++`` / ``c++`` /
-``clang++``; ``-O3 -march=native``) into ``$RAG_JAX_CACHE`` (default ``~/.cache/rag_jax``), the file named by
-the hash of the source, the flags, the compiler's version and the CPU's model and flags, written atomically, then
-registered as an XLA FFI target. Without a compiler, or when the build fails, or with ``RAG_JAX_CPU_KERNEL=0``,
-``available()`` is False and the pure-JAX tile loop runs (same values to float32 rounding; the backward pass is
-always JAX). The kernel's design (one task per batch row, KV head and 64-query block over all cores, the mask
-predicate of ``masks.py`` on each 128-key tile unless a range test proves it empty or full, the online softmax in
-registers) is in the source.
+``blockwise`` calls ``flash_forward`` / ``flash_backward`` for its two passes on the CPU backend when the kernels are
+available: the C++ source is compiled once per machine with the system's C++ compiler (``$CXX``, else ``g++`` /
+``c++`` / ``clang++``; ``-O3 -march=native``) into ``$RAG_JAX_CACHE`` (default ``~/.cache/rag_jax``), the file
+named by the hash of the source, the flags, the compiler's version and the CPU's model and flags, written
+atomically, then registered as XLA FFI targets. Without a compiler, or when the build fails, or with
+``RAG_JAX_CPU_KERNEL=0``, ``available()`` is False and the pure-JAX tile loops run (same values to float32
+rounding). The kernels' design is in the source: the forward runs one task per batch row, KV head and 64-query
+block over all cores, the mask predicate of ``masks.py`` on each 128-key tile unless a range test proves it
+empty or full, the online softmax in registers; the backward one task per batch row, KV head and 128-key block,
+its dK / dV in the task's buffers, dQ in one buffer per thread.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "rag_jax_flash_forward"
+BWD_TARGET = "rag_jax_flash_backward"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 MODES = {"causal": 0, "bidirectional": 1, "block": 2}
 
@@ -79,6 +81,7 @@ def available() -> bool:
     except (OSError, subprocess.CalledProcessError):
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RagJaxFlashForward), platform="cpu")
+    jax.ffi.register_ffi_target(BWD_TARGET, jax.ffi.pycapsule(lib.RagJaxFlashBackward), platform="cpu")
     return True
 
 
@@ -87,16 +90,34 @@ def supported(q, spec) -> bool:
     return q.dtype == jnp.float32 and q.shape[-1] % 16 == 0 and spec.mode in MODES
 
 
+def _mask_args(spec):
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+    fields = [i32(x) for x in (*spec.q_fields(), *spec.kv_fields())]
+    attrs = dict(mode=np.int64(MODES[spec.mode]),
+                 window=np.int64(-1 if spec.sliding_window is None else spec.sliding_window))
+    return fields, attrs
+
+
 def flash_forward(q, k, v, spec):
     """``(out [b, h, g, q_len, d], lse float32 [b, h, g, q_len])`` for kernel-layout ``q`` (``blockwise.kernel_layout``:
     scaled by 1/sqrt(d)), ``k`` / ``v`` ``[b, h, kv_len, d]`` and a ``MaskSpec`` of matching lengths; a fully masked
     row gives zeros and ``lse = MASK_VALUE``, as the JAX path. Needs ``available()`` and ``supported``."""
     b, h, g, q_len, d = q.shape
-    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
-    fields = [i32(x) for x in (*spec.q_fields(), *spec.kv_fields())]
+    fields, attrs = _mask_args(spec)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                      jax.ShapeDtypeStruct((b, h, g, q_len), jnp.float32)),
                              vmap_method="sequential")
-    return call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), *fields,
-                mode=np.int64(MODES[spec.mode]),
-                window=np.int64(-1 if spec.sliding_window is None else spec.sliding_window))
+    return call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), *fields, **attrs)
+
+
+def flash_backward(q, k, v, spec, lse, d_out, delta):
+    """``(dq, dk, dv)`` float32 in the layouts of ``q`` / ``k`` / ``v`` (as :func:`flash_forward`'s inputs) from the
+    forward's ``lse``, the output cotangent ``d_out [b, h, g, q_len, d]`` and ``delta = rowsum(d_out * out) - d_lse``
+    ``[b, h, g, q_len]`` (FlashAttention-2's backward, Dao 2023, Alg. 2). Needs ``available()`` and ``supported``."""
+    fields, attrs = _mask_args(spec)
+    f32 = lambda x: jnp.asarray(x).astype(jnp.float32)  # noqa: E731
+    call = jax.ffi.ffi_call(BWD_TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                         jax.ShapeDtypeStruct(k.shape, jnp.float32),
+                                         jax.ShapeDtypeStruct(v.shape, jnp.float32)),
+                             vmap_method="sequential")
+    return call(*(f32(x) for x in (q, k, v, lse, d_out, delta)), *fields, **attrs)
