@@ -95,3 +95,45 @@ def test_fused_backward_head_sizes_ragged_lengths_and_cache(d):
     fused, plain = _both_grads(q, k, v, MaskSpec.create("causal", q_seg, kv_seg))
     _assert_grads_close(fused, plain)
     assert not np.asarray(fused[0])[1, :, :, q_len - 5:].any()      # padding queries get no gradient
+
+
+def _one_tile_reference(qt, kt, vt, spec, d_out, d_lse):
+    """The JAX loops on a single tile covering everything (the mask evaluated on every pair)."""
+    q_len, kv_len = qt.shape[3], kt.shape[2]
+    classes = spec.chunk_classes(q_len, kv_len)
+    out, lse = blockwise._forward(qt, kt, vt, spec, classes, q_len, kv_len)
+    delta = jnp.einsum("bhgqd,bhgqd->bhgq", d_out, out) - d_lse
+    return (out, lse), blockwise._backward(qt, kt, vt, spec, lse, d_out, delta, classes, q_len, kv_len), delta
+
+
+@pytest.mark.parametrize("layout", ["block_last_block_global", "bidirectional_long_segments", "causal_long_window"])
+def test_fused_kernels_where_whole_tiles_are_allowed(layout):
+    """Kernel-sized tiles (64 queries x 128 keys) that the range test proves fully allowed (the question block
+    of Block-Attention over cached passages, long packed segments, a window wider than a tile) take the
+    unmasked path: forward and backward still equal the JAX loops."""
+    rng = np.random.default_rng()
+    if layout == "block_last_block_global":
+        # three cached passages, then a new passage of `local` tokens (its own block) and the global question
+        blocks, q_len, local = int(rng.integers(130, 200)), int(rng.integers(64, 140)), int(rng.integers(5, 30))
+        kv_seg = np.concatenate([np.repeat([1, 2, 3], blocks), np.full(local, 4), np.full(q_len - local, 5)])
+        kv_seg = kv_seg[None].astype(np.int32)
+        spec = MaskSpec.create("block", kv_seg[:, -q_len:], kv_seg, q_is_global=kv_seg[:, -q_len:] == 5)
+    elif layout == "bidirectional_long_segments":
+        n = int(rng.integers(150, 260))
+        q_len = 2 * n
+        seg = np.repeat(np.array([1, 2], np.int32), n)[None]
+        spec = MaskSpec.create("bidirectional", seg, seg)
+    else:
+        q_len = int(rng.integers(500, 700))
+        seg = np.ones((1, q_len), np.int32)
+        pos = np.arange(q_len, dtype=np.int32)[None]
+        spec = MaskSpec.create("causal", seg, seg, q_positions=pos, kv_positions=pos, sliding_window=300)
+    q, k, v = _qkv(rng, 1, q_len, spec.kv_len, heads=6, kv_heads=2, d=64)
+    qt, kt, vt = blockwise.kernel_layout(q, k, v, 0, 0)
+    d_out = jnp.asarray(rng.standard_normal(qt.shape), jnp.float32)
+    d_lse = jnp.asarray(rng.standard_normal(qt.shape[:4]), jnp.float32)
+    (ref, ref_lse), ref_grads, delta = jax.jit(_one_tile_reference, static_argnums=())(qt, kt, vt, spec, d_out, d_lse)
+    out, lse = jax.jit(cpu_kernel.flash_forward)(qt, kt, vt, spec)
+    np.testing.assert_allclose(out, ref, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=1e-6)
+    _assert_grads_close(jax.jit(cpu_kernel.flash_backward)(qt, kt, vt, spec, ref_lse, d_out, delta), ref_grads)

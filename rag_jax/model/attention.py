@@ -42,9 +42,11 @@ from rag_jax.model.masks import MaskSpec
 AUTO_DENSE_MAX_PAIRS = 256 * 256
 AUTO_DENSE_SHORT_Q = 128             # queries
 AUTO_DENSE_SHORT_Q_MAX_PAIRS = 1 << 20
-# With the fused CPU kernel (cpu_kernel) blockwise wins from fewer pairs: one SmolLM2 layer, 64 x 4,096 pairs 6.1 vs
-# 10.0 ms dense, 128 x 2,048 5.0 vs 7.4, 32 x 8,192 8.3 vs 10.8; 50 x 3,050 5.95 vs 5.6 (equal).
-AUTO_DENSE_SHORT_Q_MAX_PAIRS_FUSED = 200_000
+# With the fused CPU kernel (cpu_kernel) blockwise wins from 16 queries on, over any cache: one SmolLM2 layer in
+# block mode (a global last block over cached passages; 2 cores, same process), 50 x 3,050 pairs 3.15 vs 4.50 ms
+# dense, 20 x 3,020 2.11 vs 2.65, 128 x 3,128 7.35 vs 9.73, 50 x 9,050 9.67 vs 12.19, 16 x 528 0.52 vs 0.57; with
+# up to 8 queries dense stays ahead (1 x 3,001 0.80 vs 1.07 ms, 8 x 3,008 1.30 vs 1.50).
+AUTO_DENSE_FUSED_MAX_Q = 8
 
 
 def check_impl(impl: str) -> None:
@@ -66,8 +68,8 @@ def resolve_impl(impl: str, q_len: int, kv_len: int, backend: str | None = None)
     if backend == "tpu":
         return "splash"
     pairs = q_len * kv_len
-    limit = AUTO_DENSE_SHORT_Q_MAX_PAIRS_FUSED if cpu_kernel.available() else AUTO_DENSE_SHORT_Q_MAX_PAIRS
-    short = q_len <= AUTO_DENSE_SHORT_Q and pairs <= limit
+    short_q = AUTO_DENSE_FUSED_MAX_Q if cpu_kernel.available() else AUTO_DENSE_SHORT_Q
+    short = q_len <= short_q and pairs <= AUTO_DENSE_SHORT_Q_MAX_PAIRS
     return "dense" if pairs <= AUTO_DENSE_MAX_PAIRS or short else "blockwise"
 
 

@@ -156,19 +156,53 @@ static inline bool allowed(const Problem& P, int64_t bi, int64_t qi, int64_t ki)
   return ok;
 }
 
-// 0: no pair of the tile allowed, 2: every pair allowed, 1: evaluate the mask. Conservative (as
-// MaskSpec.chunk_classes): only orders and segment validity are range-tested.
+// 0: no pair of the tile allowed, 2: every pair allowed, 1: evaluate the mask. Conservative bounds of the same
+// predicate, as MaskSpec.chunk_classes: validity, order, segment range, global flags and the window.
 static int tile_class(const Problem& P, int64_t bi, int64_t q0, int64_t rows, int64_t k0, int64_t cols) {
-  const int32_t *qo = P.qf.order + bi * P.lq + q0, *ko = P.kf.order + bi * P.lk + k0;
-  const int32_t *qs = P.qf.seg + bi * P.lq + q0, *ks = P.kf.seg + bi * P.lk + k0;
-  if (P.mode == 1 || P.window >= 0) return 1;
-  int32_t qmin = qo[0], qmax = qo[0], kmin = ko[0], kmax = ko[0];
-  bool valid = true;
-  for (int64_t r = 0; r < rows; ++r) { qmin = std::min(qmin, qo[r]); qmax = std::max(qmax, qo[r]); valid = valid && qs[r]; }
-  for (int64_t c = 0; c < cols; ++c) { kmin = std::min(kmin, ko[c]); kmax = std::max(kmax, ko[c]); valid = valid && ks[c]; }
-  if (kmin > qmax) return 0;
-  if (P.mode == 0 && valid && kmax <= qmin) return 2;
-  return 1;
+  const int64_t qo0 = bi * P.lq + q0, ko0 = bi * P.lk + k0;
+  const int32_t big = 2147483647;
+  int32_t qomin = big, qomax = -big, komin = big, komax = -big, qsmin = big, qsmax = -big, ksmin = big, ksmax = -big;
+  int32_t qpmin = big, qpmax = -big, kpmin = big, kpmax = -big;
+  bool qall = true, kall = true, qany = false, kany = false, gall = true, gany = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t sg = P.qf.seg[qo0 + r];
+    const bool glob = P.mode == 2 && P.qf.glob[qo0 + r] != 0;
+    gall = gall && glob;
+    if (!sg) { qall = false; continue; }
+    qany = true;
+    gany = gany || glob;
+    qomin = std::min(qomin, P.qf.order[qo0 + r]); qomax = std::max(qomax, P.qf.order[qo0 + r]);
+    qsmin = std::min(qsmin, sg); qsmax = std::max(qsmax, sg);
+    qpmin = std::min(qpmin, P.qf.pos[qo0 + r]); qpmax = std::max(qpmax, P.qf.pos[qo0 + r]);
+  }
+  for (int64_t c = 0; c < cols; ++c) {
+    const int32_t sg = P.kf.seg[ko0 + c];
+    if (!sg) { kall = false; continue; }
+    kany = true;
+    komin = std::min(komin, P.kf.order[ko0 + c]); komax = std::max(komax, P.kf.order[ko0 + c]);
+    ksmin = std::min(ksmin, sg); ksmax = std::max(ksmax, sg);
+    kpmin = std::min(kpmin, P.kf.pos[ko0 + c]); kpmax = std::max(kpmax, P.kf.pos[ko0 + c]);
+  }
+  if (!qany || !kany) return 0;
+  bool some = true, every = qall && kall;
+  const bool overlap = qsmin <= ksmax && ksmin <= qsmax;
+  const bool one_segment = qsmin == qsmax && qsmax == ksmin && ksmin == ksmax;
+  if (P.mode == 1) {
+    some = overlap;
+    every = every && one_segment;
+  } else {
+    some = komin <= qomax;
+    every = every && komax <= qomin;
+    if (P.mode == 2) {
+      some = some && (overlap || gany);
+      every = every && (one_segment || gall);
+    }
+  }
+  if (P.window >= 0) {
+    some = some && (int64_t)qpmin - kpmax < P.window;
+    every = every && (int64_t)qpmax - kpmin < P.window;
+  }
+  return every ? 2 : (some ? 1 : 0);
 }
 
 static void run_task(const Problem& P, int64_t task, std::vector<float>& buf) {
