@@ -13,7 +13,7 @@ CFG = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_layer
                   max_seq_len=256)
 
 
-def _ref_layer0(model, blocks, mode):
+def _ref_layer0(model, blocks, mode, lead=None):
     """float64 NumPy: the last block's softmax weights at layer 0, summed per block, mean over queries and heads."""
     tokens, positions, seg, is_global = (x[0] for x in attention_mass.block_layout(blocks))
     emb = np.asarray(model.embedding[...], np.float64)[tokens]
@@ -36,7 +36,9 @@ def _ref_layer0(model, blocks, mode):
     p /= p.sum(-1, keepdims=True)
     last = seg == len(blocks)
     per_key = p[:, last].mean((0, 1))
-    return np.array([per_key[seg == i + 1].sum() for i in range(len(blocks))])
+    offset = np.concatenate([np.arange(len(b)) for b in blocks])
+    counted = offset < (lead or len(offset))
+    return np.array([per_key[(seg == i + 1) & counted].sum() for i in range(len(blocks))])
 
 
 @pytest.mark.parametrize("mode", attention_mass.MODES)
@@ -49,6 +51,10 @@ def test_layer0_matches_numpy_and_layer_inputs_match_the_model(mode):
     assert masses.shape == (CFG.num_layers, len(blocks))
     np.testing.assert_allclose(masses.sum(1), 1.0, atol=1e-5)
     np.testing.assert_allclose(masses[0], _ref_layer0(model, blocks, mode), atol=2e-5)
+    lead = int(rng.integers(1, 3))                   # each block's first tokens only
+    first = attention_mass.block_attention_mass(model, blocks, mode, lead=lead)
+    np.testing.assert_allclose(first[0], _ref_layer0(model, blocks, mode, lead), atol=2e-5)
+    assert (first <= masses + 1e-6).all() and (first < masses - 1e-4).any()
     tokens, positions, seg, is_global = (jnp.asarray(x) for x in attention_mass.block_layout(blocks))
     graphdef, state = nnx.split(model)
     _, residual = attention_mass._masses(graphdef, state, tokens, positions, seg, is_global, mode, len(blocks),
@@ -74,5 +80,7 @@ def test_bad_inputs_are_refused_by_name():
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="mode='sideways'"):
         attention_mass.block_attention_mass(model, [[1], [2]], "sideways")
+    with pytest.raises(ValueError, match="lead=0 must be at least 1"):
+        attention_mass.block_attention_mass(model, [[1], [2]], "full", lead=0)
     with pytest.raises(ValueError, match="at least 2 non-empty"):
         attention_mass.block_attention_mass(model, [[1, 2]], "full")

@@ -355,6 +355,9 @@ def test_attention_mass_table_finds_the_gold_block_and_averages_the_rows(capsys)
         want = np.mean([attention_mass.categorize(attention_mass.block_attention_mass(loaded.model, r.blocks, mode),
                                                   g)["gold passage"] for r, g in zip(rows, golds)], axis=0)
         np.testing.assert_allclose(out[f"{mode} (base)"]["gold passage"], want, rtol=1e-12)
+        first = np.mean([attention_mass.categorize(attention_mass.block_attention_mass(loaded.model, r.blocks, mode, 1),
+                                                   g)["other passages"] for r, g in zip(rows, golds)], axis=0)
+        np.testing.assert_allclose(out[f"{mode} (base)"]["other passages, first token"], first, rtol=1e-12)
         total = sum(np.asarray(out[f"{mode} (base)"][c]) for c in attention_mass.CATEGORIES)
         np.testing.assert_allclose(total, 1.0, atol=1e-5)
     with pytest.raises(ValueError, match="gold=0"):

@@ -37,7 +37,7 @@ def block_layout(blocks: Sequence[Sequence[int]]):
     return tokens, np.arange(tokens.shape[1], dtype=np.int32)[None], seg, seg == len(blocks)
 
 
-def block_attention_mass(model, blocks: Sequence[Sequence[int]], mode: str) -> np.ndarray:
+def block_attention_mass(model, blocks: Sequence[Sequence[int]], mode: str, lead: int | None = None) -> np.ndarray:
     """Per layer, the last block's attention mass on each block (module docstring).
 
     Args:
@@ -45,32 +45,40 @@ def block_attention_mass(model, blocks: Sequence[Sequence[int]], mode: str) -> n
       blocks: token id lists; the last one holds the queries measured (it attends to everything before it).
       mode: ``"full"`` (causal attention over the concatenation) or ``"block"`` (each block attends within
         itself, the last block to all).
+      lead: count only each block's first ``lead`` tokens (None: all of them). In block mode a block's first
+        tokens are where a separately encoded block grows an attention sink of its own (``block_prefix``).
 
     Returns:
-      float64 ``[num_layers, len(blocks)]``; each row sums to 1 (the last block's own keys included).
+      float64 ``[num_layers, len(blocks)]``; with ``lead=None`` each row sums to 1 (the last block's own keys
+      included).
 
     Raises:
-      ValueError: an unknown ``mode``, a scanned or windowed model, or bad ``blocks``, before any compute.
+      ValueError: an unknown ``mode``, ``lead`` < 1, a scanned or windowed model, or bad ``blocks``, before any
+      compute.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not supported; valid: {MODES}")
+    if lead is not None and lead < 1:
+        raise ValueError(f"lead={lead} must be at least 1 token (or None for whole blocks)")
     cfg = model.config
     if cfg.scan_layers or cfg.sliding_window is not None:
         raise ValueError("block_attention_mass needs an unscanned model without sliding windows "
                          f"(scan_layers={cfg.scan_layers}, sliding_window={cfg.sliding_window})")
     tokens, positions, seg, is_global = block_layout(blocks)
     total = tokens.shape[1]
+    offset = np.concatenate([np.arange(len(b)) for b in blocks])              # token index within its block
+    counted = np.pad((offset < (lead or total)).astype(np.float32), (0, -total % PAD_TO))
     pad = -total % PAD_TO                       # padding keys / queries (segment 0) keep the compiled shapes few
     tokens, positions, seg, is_global = (np.pad(x, ((0, 0), (0, pad))) for x in (tokens, positions, seg, is_global))
     queries = -(-(len(blocks[-1]) + pad) // 64) * 64   # the trailing queries measured (the last block's, padded)
     graphdef, state = nnx.split(model)
     masses, _ = _masses(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(seg),
-                        jnp.asarray(is_global), mode, len(blocks), min(queries, total + pad))
+                        jnp.asarray(is_global), mode, len(blocks), min(queries, total + pad), jnp.asarray(counted))
     return np.asarray(masses, np.float64)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "num_blocks", "queries"))
-def _masses(graphdef, state, tokens, positions, seg, is_global, mode, num_blocks, queries):
+def _masses(graphdef, state, tokens, positions, seg, is_global, mode, num_blocks, queries, counted=None):
     model = nnx.merge(graphdef, state)
     spec = (MaskSpec.create("causal", seg, seg) if mode == "full" else
             MaskSpec.create("block", seg, seg, q_is_global=is_global))
@@ -80,6 +88,8 @@ def _masses(graphdef, state, tokens, positions, seg, is_global, mode, num_blocks
     weights = (seg[:, -queries:] == num_blocks).astype(jnp.float32)
     weights = (weights / weights.sum())[:, None]                               # [1, 1, queries]
     onehot = jax.nn.one_hot(seg[0] - 1, num_blocks, dtype=jnp.float32)        # [total, blocks]; padding: 0
+    if counted is not None:                                                     # [total]: 1 for the keys counted
+        onehot = onehot * counted[:, None]
     x, rows = model.embed(tokens), []
     for layer in model.layers:
         q, k, v = layer.qkv(x)

@@ -311,13 +311,16 @@ def gold_block(chat, row, text: str) -> int:
 
 def mass_table(models: dict, rows, golds) -> dict:
     """``attention_mass`` per model and mode, averaged over ``rows``: prints the mean per category over the bottom,
-    middle and top third of the layers; returns ``{"<mode> (<model>)": {category: per-layer list}}``."""
+    middle and top third of the layers, for whole blocks and for each block's first token (where a block encoded
+    alone grows a sink); returns ``{"<mode> (<model>)": {category: per-layer list}}``."""
     out, lines = {}, []
     for name, model in models.items():
         for mode in attention_mass.MODES:
-            per_row = [attention_mass.categorize(attention_mass.block_attention_mass(model, r.blocks, mode), g)
-                       for r, g in zip(rows, golds)]
-            cats = {c: np.mean([x[c] for x in per_row], axis=0) for c in attention_mass.CATEGORIES}
+            cats = {}
+            for lead, suffix in ((None, ""), (1, ", first token")):
+                per_row = [attention_mass.categorize(attention_mass.block_attention_mass(model, r.blocks, mode, lead), g)
+                           for r, g in zip(rows, golds)]
+                cats |= {c + suffix: np.mean([x[c] for x in per_row], axis=0) for c in attention_mass.CATEGORIES}
             out[f"{mode} ({name})"] = {c: v.tolist() for c, v in cats.items()}
             thirds = np.array_split(np.arange(len(cats["question"])), 3)
             lines += [[f"{mode} ({name})", c, *[f"{v[t].mean():.3f}" for t in thirds]] for c, v in cats.items()]
