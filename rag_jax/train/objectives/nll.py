@@ -85,11 +85,15 @@ def _chunked(hidden, tokens, w, chunk):
 
 
 def _chunk_stats(x, t, head):
+    """A chunk's logits, log-sum-exp, nll and top-1 hits. One row max serves the log-sum-exp and the hits (the
+    target's logit reaches it; an exact tie counts as a hit) instead of a separate argmax pass over the vocab
+    (issue 28: the argmax reduce alone was ~4% of a SmolLM2-width train step on CPU)."""
     logits = sharding.constrain(jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32),
                                 ("batch", "seq", "vocab"))
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    top = jax.lax.stop_gradient(logits.max(-1))
+    lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))
     target = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    hits = (jnp.argmax(logits, axis=-1) == t).astype(jnp.float32)
+    hits = (target >= top).astype(jnp.float32)
     return logits, lse, lse - target, hits
 
 
