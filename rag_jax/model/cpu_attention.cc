@@ -65,11 +65,11 @@ static inline void pv_row(float* ar, const float* pr, const float* vh, int64_t c
   for (int j = 0; j < DV; ++j) store(ar + 16 * j, r[j]);
 }
 
-// pv_row for RB consecutive rows (p rows ps apart, acc rows 16 DV apart): each v row loaded once for all RB.
-// alpha: per-row rescale of acc (nullptr: none).
+// pv_row for RB consecutive rows (acc rows 16 DV apart; p[x, c] at pr[x * rs + c * cs], so a transposed p
+// needs no copy): each v row loaded once for all RB. alpha: per-row rescale of acc (nullptr: none).
 template <int DV>
 static inline void pv_rows(float* ar, const float* pr, const float* vh, int64_t cols, const float* alpha,
-                           int64_t ps = KB) {
+                           int64_t rs = KB, int64_t cs = 1) {
   v16 r[RB][DV];
   for (int x = 0; x < RB; ++x)
     for (int j = 0; j < DV; ++j) r[x][j] = alpha ? load(ar + x * 16 * DV + 16 * j) * alpha[x] : load(ar + x * 16 * DV + 16 * j);
@@ -77,7 +77,7 @@ static inline void pv_rows(float* ar, const float* pr, const float* vh, int64_t 
     v16 vv[DV];
     for (int j = 0; j < DV; ++j) vv[j] = load(vh + c * 16 * DV + 16 * j);
     for (int x = 0; x < RB; ++x) {
-      const float pc = pr[x * ps + c];
+      const float pc = pr[x * rs + c * cs];
       for (int j = 0; j < DV; ++j) r[x][j] += pc * vv[j];
     }
   }
@@ -115,16 +115,18 @@ static inline void qk_tile(const float* qg, const float* kt, float* s, int64_t r
   }
 }
 
-// acc rows [n, d] += p rows [n, ps stride] times v rows [cols, d] (RB rows at a time where the head size allows).
-static void axpy_rows(float* acc, const float* p, int64_t ps, const float* v, int64_t n, int64_t cols, int64_t d) {
+// acc rows [n, d] += p [n, cols] times v rows [cols, d], p[x, c] at p[x * rs + c * cs] (RB rows at a time where
+// the head size allows).
+static void axpy_rows(float* acc, const float* p, int64_t rs, int64_t cs, const float* v, int64_t n, int64_t cols,
+                      int64_t d) {
   const int64_t dv = d / 16;
   for (int64_t r = 0; r < n; r += RB) {
-    if (r + RB <= n && dv == 4) { pv_rows<4>(acc + r * d, p + r * ps, v, cols, nullptr, ps); continue; }
-    if (r + RB <= n && dv == 2) { pv_rows<2>(acc + r * d, p + r * ps, v, cols, nullptr, ps); continue; }
-    if (r + RB <= n && dv == 8) { pv_rows<8>(acc + r * d, p + r * ps, v, cols, nullptr, ps); continue; }
+    if (r + RB <= n && dv == 4) { pv_rows<4>(acc + r * d, p + r * rs, v, cols, nullptr, rs, cs); continue; }
+    if (r + RB <= n && dv == 2) { pv_rows<2>(acc + r * d, p + r * rs, v, cols, nullptr, rs, cs); continue; }
+    if (r + RB <= n && dv == 8) { pv_rows<8>(acc + r * d, p + r * rs, v, cols, nullptr, rs, cs); continue; }
     for (int64_t x = r; x < std::min<int64_t>(r + RB, n); ++x)
       for (int64_t c = 0; c < cols; ++c) {
-        const float pc = p[x * ps + c];
+        const float pc = p[x * rs + c * cs];
         if (pc == 0.f) continue;
         for (int64_t j = 0; j < dv; ++j) store(acc + x * d + 16 * j, load(acc + x * d + 16 * j) + pc * load(v + c * d + 16 * j));
       }
@@ -381,9 +383,7 @@ static void run_bwd_task(const BwdProblem& B, int64_t task, std::vector<float>& 
   float* pm = vt + d * KB;               // [QB, KB] P
   float* ds = pm + QB * KB;              // [QB, KB] dP, then dS
   float* mk = ds + QB * KB;              // [QB, KB] mask
-  float* pt = mk + QB * KB;              // [KB, QB] P^T
-  float* dst = pt + KB * QB;             // [KB, QB] dS^T
-  float* qb = dst + KB * QB;             // [QB, d] queries, zero rows past the end
+  float* qb = mk + QB * KB;              // [QB, d] queries, zero rows past the end
   float* ob = qb + QB * d;               // [QB, d] dO, zero rows past the end
   float* dka = ob + QB * d;              // [KB, d]
   float* dva = dka + KB * d;             // [KB, d]
@@ -425,14 +425,9 @@ static void run_bwd_task(const BwdProblem& B, int64_t task, std::vector<float>& 
           store(ds + r * KB + c, pv * (load(ds + r * KB + c) - dl));
         }
       }
-      for (int64_t r = 0; r < QB; ++r)
-        for (int64_t c = 0; c < KB; ++c) {
-          pt[c * QB + r] = pm[r * KB + c];
-          dst[c * QB + r] = ds[r * KB + c];
-        }
-      axpy_rows(dva, pt, QB, ob, KB, QB, d);            // dV += P^T dO
-      axpy_rows(dka, dst, QB, qb, KB, QB, d);           // dK += dS^T q
-      axpy_rows(dq + row0 * d, ds, KB, kh, rows, cols, d);  // dQ += dS k
+      axpy_rows(dva, pm, 1, KB, ob, KB, QB, d);              // dV += P^T dO
+      axpy_rows(dka, ds, 1, KB, qb, KB, QB, d);              // dK += dS^T q
+      axpy_rows(dq + row0 * d, ds, KB, 1, kh, rows, cols, d);  // dQ += dS k
     }
   }
   float* dk = B.dk + (bi * P.h + hi) * P.lk * d + k0 * d;
@@ -459,7 +454,7 @@ static ffi::Error FlashBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
                dout.typed_data(), delta.typed_data(), dk->typed_data(), dv->typed_data()};
   const Problem& P = B.f;
   const int64_t tasks = P.b * P.h * ((P.lk + KB - 1) / KB), dq_size = P.b * P.h * P.g * P.lq * P.d;
-  const size_t floats = 2 * P.d * KB + 3 * QB * KB + 2 * KB * QB + 2 * QB * P.d + 2 * KB * P.d;
+  const size_t floats = 2 * P.d * KB + 3 * QB * KB + 2 * QB * P.d + 2 * KB * P.d;
   const int n = (int)std::max<int64_t>(1, std::min<int64_t>(cores(), tasks));
   float* out = dq->typed_data();
   std::vector<std::vector<float>> partial(n - 1);   // thread 0 accumulates into the output itself
