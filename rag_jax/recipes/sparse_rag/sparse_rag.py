@@ -33,6 +33,7 @@ import random
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from rag_jax.args import ScriptParser, input_dir, input_file, int_list, integer, model_source, real
@@ -223,6 +224,9 @@ def evaluate(loaded, questions, docs, search, args) -> dict:
                          "caches": float(np.mean([len(c[name]) for c in chosen])),
                          "gold_kept": float(np.mean(gold_kept)),
                          "decode_ms": decode_ms(ba, prompts[:args.time_prompts], args.max_new_tokens, loaded.eos_ids)}
+        # every condition compiles its own cache shapes; dropping the executables keeps the process under the
+        # kernel's memory-map limit (an NQ run died in LLVM with "Cannot allocate memory" after ~9 conditions)
+        jax.clear_caches()
     dense = results["dense"]["correct"]
     for r in results.values():
         r["vs_dense"] = dict(zip(("only_this", "only_dense", "p"), mcnemar(r["correct"], dense)))
