@@ -245,6 +245,37 @@ def test_shared_prefix_block_logprobs_reduce_to_block_and_full_mode():
         block_logprobs(model, two, prefix="first")
 
 
+def test_nosink_hides_each_passage_first_token_from_the_last_block_only():
+    """``prefix="nosink"``: passages encoded alone as in plain block mode, but the last block does not see a
+    passage's first token. Batched (``block_parts`` / ``prefix_block_residuals``) and cached
+    (``BlockAttention.assemble``) give the same log-probabilities, different from plain block mode; distillation
+    refuses to train it."""
+    from rag_jax.inference.block_attention import BlockAttention
+    from rag_jax.inference.block_prefix import block_logprobs
+    rng = np.random.default_rng()
+    model = _model(int(rng.integers(1 << 20)))
+    head, last, resp = rng.integers(1, 256, 5).tolist(), rng.integers(1, 256, 4).tolist(), rng.integers(1, 256, 3).tolist()
+    passages = [rng.integers(1, 256, int(n)).tolist() for n in rng.integers(3, 9, 3)]
+    ex = BlockExample([head, *passages, last], resp)
+    nosink = block_logprobs(model, ex, prefix="nosink")
+    assert np.abs(nosink - block_logprobs(model, ex)).max() > 1e-4
+    blocks = [*ex.blocks[:-1], list(last) + list(resp)]
+    logits = np.asarray(BlockAttention(model, prefix="nosink", pad_multiple=4).prefill(blocks).logits, np.float64)
+    lp = _log_softmax64(logits)[:-1]
+    np.testing.assert_allclose(lp[np.arange(len(lp)), np.asarray(blocks[-1][1:])], nosink[-len(lp):], atol=2e-5)
+    # the assembled cache: every passage's first slot hidden, everything else of the blocks visible, same keys
+    plain, hid = (BlockAttention(model, prefix=p, pad_multiple=4).assemble([np.asarray(b, np.int32)
+                                                                            for b in ex.blocks[:-1]])
+                  for p in ("none", "nosink"))
+    starts = np.cumsum([len(b) for b in ex.blocks[:-2]])
+    want = np.asarray(plain.segment_ids).copy()
+    want[0, starts] = 0
+    np.testing.assert_array_equal(np.asarray(hid.segment_ids), want)
+    np.testing.assert_array_equal(np.asarray(hid.k), np.asarray(plain.k))
+    with pytest.raises(ValueError, match="training-free"):
+        DistillConfig(prefix="nosink")
+
+
 def test_sink_features_and_loss_follow_the_sink_inference():
     """With ``prefix="sink"`` the cached block log-probabilities are ``block_logprobs(prefix="sink")`` of the whole
     model, and the block pass of the loss is the KL of the teacher to exactly that distribution (float64)."""

@@ -115,7 +115,8 @@ class BlockAttention:
       pad_multiple: blocks, the last block and assembled caches are padded (with never-attended
         slots) to a multiple of this many tokens, so varying lengths reuse compiled shapes.
       prefix: ``"none"`` (every block encoded alone), ``"sink"`` or ``"system"``: blocks after the first are
-        encoded after the first block's first token / all of it (``block_prefix.PREFIXES``).
+        encoded after the first block's first token / all of it; ``"nosink"``: encoded alone, each one's first
+        token (the sink it grows) hidden from the tokens after it (``block_prefix.PREFIXES``).
       passage_temperature: ``T``; in block mode the keys of the blocks after the first are divided by ``T`` when
         assembled, so every later token's attention logits to passage tokens are divided by ``T`` (APE, Yang et
         al., ICLR 2025, §3.2: a temperature below 1 sharpens attention over parallel-encoded contexts); 1 = off.
@@ -213,6 +214,8 @@ class BlockAttention:
         segments = [self.block_kv(block, blocks[0][:p] if i and p else None) for i, block in enumerate(blocks)]
         if self.passage_temperature != 1.0:
             segments[1:] = [s.replace(k=s.k / jnp.asarray(self.passage_temperature, s.k.dtype)) for s in segments[1:]]
+        if self.prefix == "nosink":
+            segments[1:] = [s.replace(segment_ids=s.segment_ids.at[:, 0].set(0)) for s in segments[1:]]
         total = sum(block.size for block in blocks)
         width = _round_up(total, self.pad_multiple) if width is None else width
         if width < total:

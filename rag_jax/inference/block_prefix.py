@@ -6,7 +6,9 @@ block attends to as many sinks as there are blocks, which full attention never s
 ICLR 2025, "APE: Faster and Longer Context-Augmented Generation via Adaptive Parallel Encoding", §3) encodes
 every context after one **shared prefix** instead, so all blocks share the prefix's sink. Here the prefix is
 the first ``P`` tokens of block 0 (``PREFIXES``: ``none`` P = 0, plain block mode; ``sink`` P = 1, the chat
-template's first token, "one shared sink"; ``system`` all of block 0, the template's start and system turn):
+template's first token, "one shared sink"; ``system`` all of block 0, the template's start and system turn;
+``nosink`` P = 0 with each passage's first token, its own sink, hidden from the last block, so the question's
+sink mass goes back to block 0's: training-free only):
 each passage block is encoded causally after the prefix's KV at local positions ``P..P+n-1``; the last block
 attends to block 0, then to each passage's KV re-encoded to its offset in the prompt (keys are pre-RoPE), exactly
 as ``inference.block_attention.BlockAttention`` assembles cached blocks (its ``prefix`` option). A passage's KV
@@ -28,7 +30,8 @@ from flax import nnx
 
 from rag_jax.model import KVSegment
 
-PREFIXES = ("none", "sink", "system")
+PREFIXES = ("none", "sink", "system", "nosink")
+HIDDEN_SEGMENT = 2  # block_parts' passage segment id of a token seen by its own passage only ("nosink")
 PART_KEYS = ("head_tokens", "head_segment_ids", "passage_tokens", "passage_segment_ids", "passage_positions",
              "tail_tokens", "tail_segment_ids", "tail_positions", "prefix_len")
 
@@ -37,7 +40,7 @@ def prefix_length(prefix: str, block0_len: int) -> int:
     """Tokens of block 0 every passage block sees under ``prefix`` (``PREFIXES``). Raises ValueError otherwise."""
     if prefix not in PREFIXES:
         raise ValueError(f"prefix={prefix!r}; valid: {', '.join(PREFIXES)}")
-    return {"none": 0, "sink": min(1, block0_len), "system": block0_len}[prefix]
+    return {"none": 0, "sink": min(1, block0_len), "system": block0_len, "nosink": 0}[prefix]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -67,7 +70,8 @@ def block_parts(examples, prefix: str, shapes: dict[str, int] | None = None) -> 
 
       ``head_tokens``/``head_segment_ids`` int32 ``[B, head_len]``: block 0 (positions 0..);
       ``passage_tokens``/``passage_segment_ids``/``passage_positions`` int32 ``[B, num_passages, passage_len]``:
-        the passage blocks and their positions in the whole prompt (all-padding rows for missing passages);
+        the passage blocks and their positions in the whole prompt (all-padding rows for missing passages); with
+        ``nosink`` each passage's first token has segment id ``HIDDEN_SEGMENT`` (hidden from the last block);
       ``tail_tokens``/``tail_segment_ids``/``tail_positions`` int32 ``[B, tail_len]``: last block + response;
       ``prefix_len`` int32 ``[B]``: ``prefix_length(prefix, len(block 0))``.
 
@@ -95,6 +99,8 @@ def block_parts(examples, prefix: str, shapes: dict[str, int] | None = None) -> 
         offset = len(head)
         for j, p in enumerate(passages):
             out["passage_tokens"][i, j, :len(p)], out["passage_segment_ids"][i, j, :len(p)] = p, 1
+            if prefix == "nosink":
+                out["passage_segment_ids"][i, j, 0] = HIDDEN_SEGMENT
             out["passage_positions"][i, j, :len(p)] = offset + np.arange(len(p))
             offset += len(p)
         out["tail_tokens"][i, :len(tail)], out["tail_segment_ids"][i, :len(tail)] = tail, 1
@@ -133,7 +139,7 @@ def prefix_block_residuals(model, parts: dict, embeds: tuple | None = None):
     passages = KVSegment(k=p_kv.k.reshape(layers, b, n * wp, heads, dim),
                          v=p_kv.v.reshape(layers, b, n * wp, heads, dim),
                          positions=jnp.asarray(parts["passage_positions"], jnp.int32).reshape(b, n * wp),
-                         segment_ids=p_seg.reshape(b, n * wp))
+                         segment_ids=jnp.where(p_seg == HIDDEN_SEGMENT, 0, p_seg).reshape(b, n * wp))
     tail_x, _ = model.encode(jnp.asarray(parts["tail_tokens"]), jnp.asarray(parts["tail_positions"]),
                              jnp.asarray(parts["tail_segment_ids"]), kv_cache=KVSegment.concat([head_kv, passages]),
                              inputs_embeds=tail_emb)

@@ -112,12 +112,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=integer(16), default=None, help="training row length (default: longest row)")
     p.add_argument("--prefix", type=names(PREFIXES[1:]), default=[],
                    help="training-free rows, comma-separated: sink (every passage block sees block 0's first token), "
-                        "system (every passage block sees all of block 0); rag_jax.inference.block_prefix")
+                        "system (every passage block sees all of block 0), nosink (each passage's first token hidden "
+                        "from the question); rag_jax.inference.block_prefix")
     p.add_argument("--passage-temperature", type=real_list(0, lo_open=True), default=[],
                    help="training-free EM rows (with --em-questions), comma-separated T values: block mode of the base "
                         "model (each --prefix too) with attention logits to passage tokens divided by T (APE's "
                         "temperature; BlockAttention(passage_temperature=T)); not in the log-likelihood table")
-    p.add_argument("--train-prefix", choices=PREFIXES, default=d.prefix,
+    p.add_argument("--train-prefix", choices=PREFIXES[:3], default=d.prefix,
                    help="the block mode the model is distilled in and evaluated with (none = plain block mode)")
     p.add_argument("--delta-rank", type=integer(0), default=32,
                    help="also write the tuned model as a rank-R bfloat16 delta <run>/delta.safetensors (--model "

@@ -89,6 +89,9 @@ class DistillConfig:
         if not self.full_weight >= 0:
             raise ValueError(f"distill full_weight={self.full_weight} must be >= 0")
         prefix_length(self.prefix, 1)
+        if self.prefix == "nosink":
+            raise ValueError("distill prefix='nosink' is a training-free correction (distill_batch encodes no hidden "
+                             "tokens); train with none, sink or system")
         if not self.learning_rate > 0:
             raise ValueError(f"distill learning_rate={self.learning_rate} must be > 0")
 
