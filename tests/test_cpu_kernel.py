@@ -34,19 +34,6 @@ def test_fused_forward_equals_the_jax_tile_loop(name):
     np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("d", [16, 48, 64, 128])
-def test_fused_forward_head_sizes_ragged_lengths_and_cache(d):
-    rng = np.random.default_rng()
-    q_len, cache = int(rng.integers(70, 300)), int(rng.integers(0, 200))
-    q, k, v = _qkv(rng, 2, q_len, q_len + cache, heads=6, kv_heads=2, d=d)
-    q_seg, kv_seg = np.ones((2, q_len), np.int32), np.ones((2, q_len + cache), np.int32)
-    q_seg[1, q_len - 5:] = kv_seg[1, q_len + cache - 5:] = 0
-    (out, lse), (ref, ref_lse) = _both(q, k, v, MaskSpec.create("causal", q_seg, kv_seg))
-    np.testing.assert_allclose(out, ref, atol=2e-6, rtol=0)
-    np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=1e-6)
-    assert not np.asarray(out)[1, :, :, q_len - 5:].any()          # padding queries: zero, as the JAX path
-
-
 def test_blockwise_attention_calls_the_fused_kernel_on_cpu_and_the_build_is_cached():
     rng = np.random.default_rng()
     q, k, v = _qkv(rng, 1, 40, 40)
@@ -86,15 +73,21 @@ def test_fused_backward_equals_the_jax_tile_loop(name):
 
 
 @pytest.mark.parametrize("d", [16, 48, 64, 128])
-def test_fused_backward_head_sizes_ragged_lengths_and_cache(d):
+def test_fused_kernels_head_sizes_ragged_lengths_and_cache(d):
+    """Both kernels on every vector path of the head size, ragged lengths over a cache, padding rows."""
     rng = np.random.default_rng()
     q_len, cache = int(rng.integers(70, 300)), int(rng.integers(0, 200))
     q, k, v = _qkv(rng, 2, q_len, q_len + cache, heads=6, kv_heads=2, d=d)
     q_seg, kv_seg = np.ones((2, q_len), np.int32), np.ones((2, q_len + cache), np.int32)
     q_seg[1, q_len - 5:] = kv_seg[1, q_len + cache - 5:] = 0
-    fused, plain = _both_grads(q, k, v, MaskSpec.create("causal", q_seg, kv_seg))
+    spec = MaskSpec.create("causal", q_seg, kv_seg)
+    (out, lse), (ref, ref_lse) = _both(q, k, v, spec)
+    np.testing.assert_allclose(out, ref, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=1e-6)
+    assert not np.asarray(out)[1, :, :, q_len - 5:].any()          # padding queries: zero, as the JAX path
+    fused, plain = _both_grads(q, k, v, spec)
     _assert_grads_close(fused, plain)
-    assert not np.asarray(fused[0])[1, :, :, q_len - 5:].any()      # padding queries get no gradient
+    assert not np.asarray(fused[0])[1, :, :, q_len - 5:].any()      # and no gradient
 
 
 def _one_tile_reference(qt, kt, vt, spec, d_out, d_lse):
