@@ -1,8 +1,9 @@
-"""The fused CPU attention kernels (``rag_jax/model/cpu_kernel.py``, ``cpu_attention.cc``): outputs and log-sum-exp
+"""The fused CPU kernels (``rag_jax/model/cpu_kernel.py``). ``cpu_attention.cc``: outputs and log-sum-exp
 (forward) and dq / dk / dv (backward) equal the pure-JAX tile loops (``blockwise._forward`` / ``_backward``) on
 every mask structure of ``test_attention_impls`` and on
 head sizes taking each vector path (16, 48, 64, 128), ``blockwise_attention`` runs it on CPU, and the build is cached
-by content. Skipped where no C++ compiler is installed (CI installs g++)."""
+by content. ``cpu_xent.cc``: the softmax cross-entropy gradient vs float64 NumPy. Skipped where no C++ compiler is
+installed (CI installs g++)."""
 import numpy as np
 import pytest
 
@@ -130,3 +131,30 @@ def test_fused_kernels_where_whole_tiles_are_allowed(layout):
     np.testing.assert_allclose(out, ref, atol=2e-6, rtol=0)
     np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=1e-6)
     _assert_grads_close(jax.jit(cpu_kernel.flash_backward)(qt, kt, vt, spec, ref_lse, d_out, delta), ref_grads)
+
+
+@pytest.mark.parametrize("vocab", [16, 50, 1000])
+def test_softmax_xent_equals_float64_numpy(vocab):
+    """``cpu_kernel.softmax_xent`` (``cpu_xent.cc``) vs float64 NumPy: the gradient ``w * (softmax - onehot)``,
+    log-sum-exp, target logit and row max, on logits spread over +-40 (exp's range reduction and clamp), a vocab
+    off the vector width (scalar tail), zero weights and a target outside the vocab (nothing subtracted)."""
+    rng = np.random.default_rng()
+    rows = 37
+    logits = rng.uniform(-40, 40, (rows, vocab)).astype(np.float32)
+    targets = rng.integers(0, vocab, rows).astype(np.int32)
+    targets[3] = vocab                                        # out of range
+    targets[5] = int(np.argmax(logits[5]))                    # target at the max
+    weights = rng.uniform(0, 2, rows).astype(np.float32)
+    weights[7] = 0.0
+    dlogits, lse, target, top = jax.jit(cpu_kernel.softmax_xent)(logits, targets, weights)
+    x = logits.astype(np.float64)
+    m = x.max(-1)
+    ref_lse = m + np.log(np.exp(x - m[:, None]).sum(-1))
+    onehot = np.arange(vocab)[None] == targets[:, None]
+    ref = weights[:, None] * (np.exp(x - ref_lse[:, None]) - onehot)
+    np.testing.assert_allclose(dlogits, ref, atol=2e-6 * max(1.0, float(np.abs(ref).max())), rtol=0)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(top, logits.max(-1))
+    valid = targets < vocab
+    np.testing.assert_array_equal(target[valid], logits[valid, targets[valid]])
+    assert np.isnan(target[3]) and np.all(dlogits[7] == 0)

@@ -126,15 +126,23 @@ def test_loss_fn_is_a_hashable_static_argument():
     assert hash(LMLoss("block")) == hash(LMLoss("block")) and LMLoss("block") != LMLoss("causal")
 
 
-@pytest.mark.parametrize("chunk", [1, 6, 4096])
-def test_fused_nll_matches_full_logits(chunk):
-    """The fused head + cross-entropy (gradients computed chunk by chunk in the forward): the loss, metrics and
-    the gradients to hidden states, head and target weights of the full-logits loss, also under a scale."""
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("chunk,s", [(1, 12), (1, 17), (6, 12), (4096, 12)])
+def test_fused_nll_matches_full_logits(chunk, s, kernel, monkeypatch):
+    """The fused head + cross-entropy (gradients computed chunk by chunk in the forward; on CPU the C++
+    ``softmax_xent`` kernel or XLA): the loss, metrics and the gradients to hidden states, head and target
+    weights of the full-logits loss, also under a scale. 11 chunks sum their head gradients one at a time, 16 in
+    two groups of ``STACKED_CHUNKS``, 4 in one."""
     import jax.numpy as jnp
 
+    from rag_jax.model import cpu_kernel
+    from rag_jax.train.objectives import nll as nll_lib
     from rag_jax.train.objectives.nll import fused_next_token_nll, next_token_nll
-    rng = np.random.default_rng(1)
-    b, s, h, vocab = 2, 12, 8, 50
+    if kernel and not cpu_kernel.available():
+        pytest.skip("no C++ compiler: the CPU kernels are not built")
+    monkeypatch.setattr(nll_lib.cpu_kernel, "available", lambda: kernel)
+    rng = np.random.default_rng()
+    b, h, vocab = 2, 8, 50
     hidden = jnp.asarray(rng.standard_normal((b, s, h)), jnp.float32)
     head = jnp.asarray(rng.standard_normal((h, vocab)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, vocab, (b, s)), jnp.int32)

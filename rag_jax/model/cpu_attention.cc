@@ -5,52 +5,12 @@
 // predicate of rag_jax/model/masks.py, skipped for tiles a range test proves empty or full), QK^T on
 // register-blocked tiles, the online softmax (row max, exp, row sum, rescale) and PV, all in L1/L2.
 // Vectors: GCC/Clang vector extensions (16 floats; AVX-512, AVX2 or NEON as the compiler targets).
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <thread>
-#include <vector>
-
-#include <sched.h>
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));  // unaligned loads / stores
+#include "cpu_simd.h"
 
 constexpr int QB = 64;   // query rows per task
 constexpr int KB = 128;  // keys per tile
 constexpr int RB = 4;    // query rows per register block of QK^T
 constexpr float MASK_VALUE = -0.7f * 3.4028234663852886e38f;
-
-static inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-static inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
-
-// exp(x) (Cephes expf: range reduction by log 2, degree-5 polynomial; relative error ~1e-7); x clamped to
-// [-87, 88]: callers need exp(x) for x <= 0 and multiply masked entries by 0.
-static inline v16 vexp(v16 x) {
-  x = x < -87.f ? (v16{} - 87.f) : x;
-  x = x > 88.f ? (v16{} + 88.f) : x;
-  v16 fx = x * 1.44269504088896341f + 0.5f;
-  v16 tf = __builtin_convertvector(__builtin_convertvector(fx, vi16), v16);
-  v16 fl = tf + __builtin_convertvector(tf > fx, v16);  // floor: true lanes are -1
-  x = x - fl * 0.693359375f - fl * -2.12194440e-4f;
-  v16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * x * x + x + 1.f;
-  vi16 e = (__builtin_convertvector(fl, vi16) + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return y * scale;
-}
 
 // acc_row = alpha * acc_row + sum_c p[c] * v[c, :] for DV vectors of 16 (head_dim = 16 DV) kept in registers.
 template <int DV>
@@ -309,12 +269,6 @@ static void run_task(const Problem& P, int64_t task, std::vector<float>& buf) {
       P.lse[row0 + r] = seen ? m[gi * QB + r] + std::log(lr) : MASK_VALUE;
     }
   }
-}
-
-static int cores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1u, std::thread::hardware_concurrency());
 }
 
 static ffi::Error FlashForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,

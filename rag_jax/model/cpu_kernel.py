@@ -1,9 +1,10 @@
-"""The fused CPU attention kernels (``cpu_attention.cc``: forward and backward) through ``jax.ffi``, built on first use.
+"""The fused CPU kernels through ``jax.ffi``, built on first use: attention forward and backward
+(``cpu_attention.cc``) and the vocab head's softmax cross-entropy gradient (``cpu_xent.cc``).
 
 ``blockwise`` calls ``flash_forward`` / ``flash_backward`` for its two passes on the CPU backend when the kernels are
-available: the C++ source is compiled once per machine with the system's C++ compiler (``$CXX``, else ``g++`` /
+available: the C++ sources are compiled once per machine with the system's C++ compiler (``$CXX``, else ``g++`` /
 ``c++`` / ``clang++``; ``-O3 -march=native``) into ``$RAG_JAX_CACHE`` (default ``~/.cache/rag_jax``), the file
-named by the hash of the source, the flags, the compiler's version and the CPU's model and flags, written
+named by the hash of the sources, the flags, the compiler's version and the CPU's model and flags, written
 atomically, then registered as XLA FFI targets. Without a compiler, or when the build fails, or with
 ``RAG_JAX_CPU_KERNEL=0``, ``available()`` is False and the pure-JAX tile loops run (same values to float32
 rounding). The kernels' design is in the source: the forward runs one task per batch row, KV head and 64-query
@@ -27,9 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("cpu_attention.cc")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.cc", "cpu_xent.cc"))
+HEADERS = (Path(__file__).with_name("cpu_simd.h"),)
 TARGET = "rag_jax_flash_forward"
 BWD_TARGET = "rag_jax_flash_backward"
+XENT_TARGET = "rag_jax_softmax_xent"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 MODES = {"causal": 0, "bidirectional": 1, "block": 2}
 
@@ -51,18 +54,18 @@ def _cpu_id() -> str:
 
 
 def _build(cxx: str) -> Path:
-    """The shared library for this source, flags, compiler and CPU (compiled when not cached)."""
+    """The shared library for these sources, flags, compiler and CPU (compiled when not cached)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id(),
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES + HEADERS), " ".join(FLAGS), version, _cpu_id(),
                                     jax.ffi.include_dir()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("RAG_JAX_CACHE", Path.home() / ".cache" / "rag_jax"))
-    lib = cache / f"cpu_attention_{key}.so"
+    lib = cache / f"cpu_kernels_{key}.so"
     if lib.is_file():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / lib.name
-        subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(out)],
+        subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(out)],
                        capture_output=True, text=True, check=True)
         os.replace(out, lib)                 # atomic: a concurrent builder writes the same file
     return lib
@@ -82,6 +85,7 @@ def available() -> bool:
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RagJaxFlashForward), platform="cpu")
     jax.ffi.register_ffi_target(BWD_TARGET, jax.ffi.pycapsule(lib.RagJaxFlashBackward), platform="cpu")
+    jax.ffi.register_ffi_target(XENT_TARGET, jax.ffi.pycapsule(lib.RagJaxSoftmaxXent), platform="cpu")
     return True
 
 
@@ -121,3 +125,16 @@ def flash_backward(q, k, v, spec, lse, d_out, delta):
                                          jax.ShapeDtypeStruct(v.shape, jnp.float32)),
                              vmap_method="sequential")
     return call(*(f32(x) for x in (q, k, v, lse, d_out, delta)), *fields, **attrs)
+
+
+def softmax_xent(logits, targets, weights):
+    """``(dlogits, lse, target_logit, row_max)`` for float32 ``logits [rows, vocab]``, int32 ``targets [rows]`` and
+    float32 ``weights [rows]``: ``dlogits = weights * (softmax(logits) - one_hot(targets))`` (written over
+    ``logits``' buffer), the log-sum-exp, the target's logit and the row max, float32 ``[rows]`` each; a target
+    outside ``[0, vocab)`` subtracts nothing and reads NaN. Needs ``available()``."""
+    rows, vocab = logits.shape
+    call = jax.ffi.ffi_call(XENT_TARGET, (jax.ShapeDtypeStruct((rows, vocab), jnp.float32),
+                                          jax.ShapeDtypeStruct((rows, 3), jnp.float32)),
+                             vmap_method="sequential", input_output_aliases={0: 0})
+    dlogits, stats = call(logits.astype(jnp.float32), targets.astype(jnp.int32), weights.astype(jnp.float32))
+    return dlogits, stats[:, 0], stats[:, 1], stats[:, 2]

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from rag_jax import sharding
+from rag_jax.model import cpu_kernel
 
 
 def next_token_nll(logits: jax.Array, tokens: jax.Array, target_weights: jax.Array
@@ -37,6 +38,7 @@ def next_token_nll(logits: jax.Array, tokens: jax.Array, target_weights: jax.Arr
 
 
 LOSS_CHUNK = 1024  # tokens whose logits fused_next_token_nll holds at once
+STACKED_CHUNKS = 8  # chunks whose head gradients the fused loss holds before summing them
 
 
 def fused_next_token_nll(hidden: jax.Array, head: jax.Array, tokens: jax.Array, target_weights: jax.Array,
@@ -84,36 +86,72 @@ def _chunked(hidden, tokens, w, chunk):
     return chunks(hidden[:, :-1]), chunks(tokens[:, 1:]), chunks(w), unchunk
 
 
-def _chunk_stats(x, t, head):
-    """A chunk's logits, log-sum-exp, nll and top-1 hits. One row max serves the log-sum-exp and the hits (the
-    target's logit reaches it; an exact tie counts as a hit) instead of a separate argmax pass over the vocab
-    (issue 28: the argmax reduce alone was ~4% of a SmolLM2-width train step on CPU)."""
-    logits = sharding.constrain(jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32),
-                                ("batch", "seq", "vocab"))
+def _chunk_logits(x, head):
+    return sharding.constrain(jnp.einsum("bsh,hv->bsv", x, head.astype(x.dtype), preferred_element_type=jnp.float32),
+                              ("batch", "seq", "vocab"))
+
+
+def _xent_stats(logits, t):
+    """``(lse, target logit, row max)`` ``[..]`` of float32 ``logits [.., vocab]``. One row max serves the
+    log-sum-exp and the hits (the target's logit reaching it; an exact tie counts as a hit) instead of a separate
+    argmax pass over the vocab (issue 28: the argmax reduce alone was ~4% of a SmolLM2-width train step on CPU)."""
     top = jax.lax.stop_gradient(logits.max(-1))
     lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))
-    target = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    hits = (target >= top).astype(jnp.float32)
-    return logits, lse, lse - target, hits
+    return lse, jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0], top
+
+
+def _xent_grad_xla(logits, t, wt):
+    lse, target, top = _xent_stats(logits, t)
+    dlogits = (jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)) * wt[..., None]
+    return dlogits, lse, target, top
+
+
+def _xent_grad_cpu(logits, t, wt):
+    rows = logits.shape[:-1]
+    dlogits, *stats = cpu_kernel.softmax_xent(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), wt.reshape(-1))
+    return dlogits.reshape(logits.shape), *(x.reshape(rows) for x in stats)
+
+
+def _xent_grad(logits, t, wt):
+    """``(dlogits = wt * (softmax - onehot), lse, target logit, row max)`` of float32 ``logits [b, s, vocab]``: on
+    the CPU backend the one-pass C++ kernel (``cpu_kernel.softmax_xent``: the logits read once, the gradient
+    written once; XLA's fusions make four passes over the ``chunk x vocab`` block), else XLA."""
+    if not (jax.default_backend() == "cpu" and cpu_kernel.available()):
+        return _xent_grad_xla(logits, t, wt)
+    return jax.lax.platform_dependent(logits, t, wt, cpu=_xent_grad_cpu, default=_xent_grad_xla)
 
 
 def _fused_forward(hidden, head, tokens, w, chunk, with_grads: bool):
     xs, ts, ws, unchunk = _chunked(hidden, tokens, w, chunk)
 
-    def step(d_head, args):
+    def step(_, args):
         x, t, wt = args
-        logits, lse, nll, hits = _chunk_stats(x, t, head)
+        logits = _chunk_logits(x, head)
         if not with_grads:
-            return d_head, (nll, hits, None)
-        dlogits = jnp.exp(logits - lse[..., None])
-        dlogits = (dlogits - jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)) * wt[..., None]
+            lse, target, top = _xent_stats(logits, t)
+            return None, (lse - target, (target >= top).astype(jnp.float32), None, None)
+        dlogits, lse, target, top = _xent_grad(logits, t, wt)
         dlogits = dlogits.astype(x.dtype)
         dx = jnp.einsum("bsv,hv->bsh", dlogits, head.astype(x.dtype), preferred_element_type=jnp.float32)
-        d_head = d_head + jnp.einsum("bsh,bsv->hv", x, dlogits, preferred_element_type=jnp.float32)
-        return d_head, (nll, hits, dx.astype(hidden.dtype))
+        d_head = jnp.einsum("bsh,bsv->hv", x, dlogits, preferred_element_type=jnp.float32)
+        return None, (lse - target, (target >= top).astype(jnp.float32), dx.astype(hidden.dtype), d_head)
 
-    d_head0 = jnp.zeros(head.shape, jnp.float32) if with_grads else None
-    d_head, (nll, hits, dx) = jax.lax.scan(step, d_head0, (xs, ts, ws))
+    if not with_grads:
+        _, (nll, hits, _, _) = jax.lax.scan(step, None, (xs, ts, ws))
+    else:
+        # chunks' d_head come out of an inner scan of up to STACKED_CHUNKS chunks and are summed after it: added
+        # inside the loop, XLA:CPU fuses the add into the dot, which then ran at 145 vs 250 GFLOP/s (issue 28:
+        # the head's gradient 4.0 vs 4.3 s per step at 4 x 1,024 tokens); memory STACKED_CHUNKS x |head|
+        n = xs.shape[0]
+        inner = max(i for i in range(1, min(n, STACKED_CHUNKS) + 1) if n % i == 0)
+
+        def group(d_head, args):
+            _, (nll, hits, dx, d) = jax.lax.scan(step, None, args)
+            return d_head + d.sum(0), (nll, hits, dx)
+
+        grouped = jax.tree.map(lambda a: a.reshape(n // inner, inner, *a.shape[1:]), (xs, ts, ws))
+        d_head, (nll, hits, dx) = jax.lax.scan(group, jnp.zeros(head.shape, jnp.float32), grouped)
+        nll, hits, dx = jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), (nll, hits, dx))
     nll, hits = unchunk(nll), unchunk(hits)
     out = (jnp.sum(nll * w), jnp.sum(hits * w, axis=-1), jnp.sum(w, axis=-1))
     if not with_grads:

@@ -1,0 +1,51 @@
+// Shared by the fused CPU kernels (cpu_attention.cc, cpu_xent.cc): 16-float vectors (GCC/Clang vector
+// extensions: AVX-512, AVX2 or NEON as the compiler targets), a vectorized exp and the process's core count.
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include <sched.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));  // unaligned loads / stores
+
+static inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+static inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+
+// exp(x) (Cephes expf: range reduction by log 2, degree-5 polynomial; relative error ~1e-7); x clamped to
+// [-87, 88]: callers need exp(x) for x <= 0 and multiply masked entries by 0.
+static inline v16 vexp(v16 x) {
+  x = x < -87.f ? (v16{} - 87.f) : x;
+  x = x > 88.f ? (v16{} + 88.f) : x;
+  v16 fx = x * 1.44269504088896341f + 0.5f;
+  v16 tf = __builtin_convertvector(__builtin_convertvector(fx, vi16), v16);
+  v16 fl = tf + __builtin_convertvector(tf > fx, v16);  // floor: true lanes are -1
+  x = x - fl * 0.693359375f - fl * -2.12194440e-4f;
+  v16 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.f;
+  vi16 e = (__builtin_convertvector(fl, vi16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return y * scale;
+}
+
+// Cores this process may run on (its CPU affinity), at least 1.
+static inline int cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
