@@ -1,5 +1,3 @@
-import sys
+from rag_jax.cli import entry
 
-from rag_jax.cli import main
-
-sys.exit(main())
+entry()

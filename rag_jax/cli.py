@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 
@@ -145,5 +146,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
+# glibc returns a freed buffer above its mmap threshold to the OS, so the next one of that size is page-faulted in
+# again (~2 us per 4 KB page): Block-Attention's assembled passage cache (2 x 70 MB at 3K tokens on SmolLM2) cost
+# ~20 ms of a ~250 ms time to first token that way (issue 28). Past 32 MB the threshold can only be raised by the
+# environment at process start, so the console script re-executes itself once with it set (child processes, the
+# benchmarks' baselines included, inherit it; RAG_JAX_MALLOC=0 turns this off).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32)}
+
+
+def entry() -> None:
+    """The ``rag-jax`` console script: ``main()`` in a process started with ``MALLOC_ENV`` (Linux)."""
+    if (sys.platform == "linux" and os.environ.get("RAG_JAX_MALLOC", "1") != "0"
+            and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items())):
+        os.execve(sys.executable, list(sys.orig_argv), {**os.environ, **MALLOC_ENV})
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

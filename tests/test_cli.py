@@ -1,4 +1,5 @@
 """``rag-jax`` verbs: eval / bench dispatch to the recipes, rag_jax.evaluation and rag_jax.benchmarks (``--help`` only: fast)."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,35 @@ def test_python_m_rag_jax_dispatches():
     r = subprocess.run([sys.executable, "-m", "rag_jax", "train", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage: rag-jax train")
+
+
+def test_console_script_runs_under_the_malloc_environment(monkeypatch):
+    """``entry`` (the ``rag-jax`` script, ``python -m rag_jax``) re-executes the same command line once with
+    ``MALLOC_ENV`` set, then runs ``main``; ``RAG_JAX_MALLOC=0`` skips it. In a real process: the child sees it."""
+    calls = []
+    monkeypatch.setattr(cli.os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)) or sys.exit(7))
+    monkeypatch.setattr(cli, "main", lambda: 0)
+    monkeypatch.setattr(sys, "platform", "linux")
+    for k in cli.MALLOC_ENV:
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.entry()
+    assert e.value.code == 7 and calls[0][:2] == (sys.executable, list(sys.orig_argv))
+    assert all(calls[0][2][k] == v for k, v in cli.MALLOC_ENV.items())
+    for env in (cli.MALLOC_ENV, {"RAG_JAX_MALLOC": "0"}):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            with pytest.raises(SystemExit) as e:
+                cli.entry()
+        assert e.value.code == 0 and len(calls) == 1
+    # python -c PROBE: prints the variable, then runs rag_jax's __main__, which re-executes PROBE once
+    probe = ("import os, runpy, sys; print(os.environ.get('MALLOC_MMAP_THRESHOLD_')); "
+             "sys.argv = ['rag-jax', 'smoke', '--help']; runpy.run_module('rag_jax', run_name='__main__')")
+    if sys.platform == "linux":
+        env = {k: v for k, v in os.environ.items() if k not in cli.MALLOC_ENV and k != "RAG_JAX_MALLOC"}
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+        assert r.stdout.splitlines()[:2] == ["None", cli.MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]], r.stdout[:300]
 
 
 @pytest.mark.parametrize("verb,usage", [("index", "build"), ("search", "query")])
