@@ -295,7 +295,7 @@ static ffi::Error FlashForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
     std::vector<float> buf(floats);
     for (int64_t t; (t = next.fetch_add(1)) < tasks;) run_task(P, t, buf);
   };
-  const int n = (int)std::min<int64_t>(cores(), tasks);
+  const int n = (int)workers(tasks);
   std::vector<std::thread> helpers;
   for (int i = 1; i < n; ++i) helpers.emplace_back(work);
   work();
@@ -412,7 +412,7 @@ static ffi::Error FlashBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
   const Problem& P = B.f;
   const int64_t tasks = P.b * P.h * ((P.lk + KB - 1) / KB), dq_size = P.b * P.h * P.g * P.lq * P.d;
   const size_t floats = 2 * P.d * KB + 3 * QB * KB + 2 * QB * P.d + 2 * KB * P.d;
-  const int n = (int)std::max<int64_t>(1, std::min<int64_t>(cores(), tasks));
+  const int n = (int)workers(tasks);
   float* out = dq->typed_data();
   std::vector<std::vector<float>> partial(n - 1);   // thread 0 accumulates into the output itself
   std::atomic<int64_t> next{0};

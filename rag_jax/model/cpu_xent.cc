@@ -64,7 +64,7 @@ static ffi::Error SoftmaxXent(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32
       xent_rows(logits.typed_data(), targets.typed_data(), weights.typed_data(), dlogits->typed_data(),
                 stats->typed_data(), i * ROWS, std::min(R, (i + 1) * ROWS), V);
   };
-  const int n = (int)std::max<int64_t>(1, std::min<int64_t>(cores(), tasks));
+  const int n = (int)workers(tasks);
   std::vector<std::thread> helpers;
   for (int i = 1; i < n; ++i) helpers.emplace_back(work);
   work();
