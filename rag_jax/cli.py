@@ -156,7 +156,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32)}
 
 def entry() -> None:
     """The ``rag-jax`` console script: ``main()`` in a process started with ``MALLOC_ENV`` (Linux)."""
-    if (sys.platform == "linux" and os.environ.get("RAG_JAX_MALLOC", "1") != "0"
+    if (sys.platform == "linux" and sys.executable and os.environ.get("RAG_JAX_MALLOC", "1") != "0"
             and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items())):
         os.execve(sys.executable, list(sys.orig_argv), {**os.environ, **MALLOC_ENV})
     sys.exit(main())
