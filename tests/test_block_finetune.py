@@ -56,9 +56,12 @@ def test_top_layers_and_trainable_mask():
 def test_frozen_parameters_are_bit_identical_after_a_step():
     """One train step with ``trainable`` = the top layer: the others are unchanged to the bit; the top layer's
     update equals clip + AdamW (weight decay on) applied by optax to the trainable parameters alone, with
-    gradients of the unmasked loss."""
+    gradients of the unmasked loss. Adam's eps is 1e-4: its first step is g / (|g| + eps), so with the default
+    1e-8 an entry whose gradient is near zero flips with the rounding difference between the compiled step and
+    the reference gradient (one entry in 2,048 off by 1.8e-5 in about half the seeds); with 1e-4 the update is
+    Lipschitz in g and the comparison tests the masking and the optimizer, not the rounding."""
     opt_cfg = optim.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, grad_clip_norm=0.5,
-                                    trainable=top_layers(CFG.num_layers, 1))
+                                    eps=1e-4, trainable=top_layers(CFG.num_layers, 1))
     tx = optim.make_optimizer(opt_cfg, 10)
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
     seed = int(np.random.default_rng().integers(1 << 30))
