@@ -291,15 +291,10 @@ static ffi::Error FlashForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   const int64_t tasks = P.b * P.h * ((P.lq + QB - 1) / QB);
   const size_t floats = P.d * KB + 2 * QB * KB + 2 * P.g * QB + 2 * P.g * QB * P.d + QB;
   std::atomic<int64_t> next{0};
-  auto work = [&]() {
+  run_threads((int)workers(tasks), [&](int) {
     std::vector<float> buf(floats);
     for (int64_t t; (t = next.fetch_add(1)) < tasks;) run_task(P, t, buf);
-  };
-  const int n = (int)workers(tasks);
-  std::vector<std::thread> helpers;
-  for (int i = 1; i < n; ++i) helpers.emplace_back(work);
-  work();
-  for (auto& t : helpers) t.join();
+  });
   return ffi::Error::Success();
 }
 
@@ -423,10 +418,7 @@ static ffi::Error FlashBackward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
     for (int64_t i; (i = next.fetch_add(1)) < tasks;) run_bwd_task(B, i, buf, acc);
   };
   std::fill(out, out + dq_size, 0.f);
-  std::vector<std::thread> helpers;
-  for (int i = 1; i < n; ++i) helpers.emplace_back(work, i);
-  work(0);
-  for (auto& t : helpers) t.join();
+  run_threads(n, work);
   for (const auto& part : partial)
     for (int64_t i = 0; i < dq_size; i += 16) {
       if (i + 16 <= dq_size) store(out + i, load(out + i) + load(part.data() + i));

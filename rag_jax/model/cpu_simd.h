@@ -57,3 +57,12 @@ static inline int64_t workers(int64_t tasks) {
   const int64_t c = cores();
   return std::max<int64_t>(1, tasks < 2 * c ? tasks : c);
 }
+
+// work(i) on n threads, i = 0 (the caller) .. n - 1; returns when all are done.
+template <typename F>
+static void run_threads(int n, F&& work) {
+  std::vector<std::thread> helpers;
+  for (int i = 1; i < n; ++i) helpers.emplace_back(work, i);
+  work(0);
+  for (auto& t : helpers) t.join();
+}

@@ -59,16 +59,11 @@ static ffi::Error SoftmaxXent(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32
     return ffi::Error::InvalidArgument("rag_jax_softmax_xent: logits [rows, vocab], targets and weights [rows]");
   const int64_t R = ld[0], V = ld[1], tasks = (R + ROWS - 1) / ROWS;
   std::atomic<int64_t> next{0};
-  auto work = [&]() {
+  run_threads((int)workers(tasks), [&](int) {
     for (int64_t i; (i = next.fetch_add(1)) < tasks;)
       xent_rows(logits.typed_data(), targets.typed_data(), weights.typed_data(), dlogits->typed_data(),
                 stats->typed_data(), i * ROWS, std::min(R, (i + 1) * ROWS), V);
-  };
-  const int n = (int)workers(tasks);
-  std::vector<std::thread> helpers;
-  for (int i = 1; i < n; ++i) helpers.emplace_back(work);
-  work();
-  for (auto& t : helpers) t.join();
+  });
   return ffi::Error::Success();
 }
 
