@@ -127,14 +127,16 @@ def _fused_forward(hidden, head, tokens, w, chunk, with_grads: bool):
     def step(_, args):
         x, t, wt = args
         logits = _chunk_logits(x, head)
-        if not with_grads:
+        dx = d_head = None
+        if with_grads:
+            dlogits, lse, target, top = _xent_grad(logits, t, wt)
+            dlogits = dlogits.astype(x.dtype)
+            dx = jnp.einsum("bsv,hv->bsh", dlogits, head.astype(x.dtype),
+                            preferred_element_type=jnp.float32).astype(hidden.dtype)
+            d_head = jnp.einsum("bsh,bsv->hv", x, dlogits, preferred_element_type=jnp.float32)
+        else:
             lse, target, top = _xent_stats(logits, t)
-            return None, (lse - target, (target >= top).astype(jnp.float32), None, None)
-        dlogits, lse, target, top = _xent_grad(logits, t, wt)
-        dlogits = dlogits.astype(x.dtype)
-        dx = jnp.einsum("bsv,hv->bsh", dlogits, head.astype(x.dtype), preferred_element_type=jnp.float32)
-        d_head = jnp.einsum("bsh,bsv->hv", x, dlogits, preferred_element_type=jnp.float32)
-        return None, (lse - target, (target >= top).astype(jnp.float32), dx.astype(hidden.dtype), d_head)
+        return None, (lse - target, (target >= top).astype(jnp.float32), dx, d_head)
 
     if not with_grads:
         _, (nll, hits, _, _) = jax.lax.scan(step, None, (xs, ts, ws))
