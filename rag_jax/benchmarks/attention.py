@@ -2,7 +2,9 @@
 
 Each measurement runs in its own subprocess (peak RSS is per process): load the weights, record the RSS
 (``load MB``), compile the forward ahead of time (logits of the last token only; unused outputs are dead
-code), then the median wall time of ``--repeats`` prefills (transformers: after one warm-up call). Rows: one per (length, implementation);
+code), then the median wall time of ``--repeats`` prefills after one warm-up call on both sides (a compiled
+program's or a torch model's first call pays first-touch page faults and thread start-up). Rows: one per
+(length, implementation);
 ``x hf`` = tokens/s relative to transformers' in the same run, ``peak-load MB`` = peak RSS minus the
 RSS after loading (what the prefill itself needed).
 
@@ -57,8 +59,8 @@ def _peak_mb() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
-def _time(fn, repeats: int, warmup: bool, clock) -> float:
-    return median_ms(fn, repeats, warmup=int(warmup), clock=clock) / 1e3
+def _time(fn, repeats: int, clock) -> float:
+    return median_ms(fn, repeats, warmup=1, clock=clock) / 1e3
 
 
 def _head_dims(args) -> tuple[int, int, int]:
@@ -139,12 +141,12 @@ def worker(impl: str, length: int, args) -> dict:
         toks = jnp.asarray(tokens, jnp.int32)
         pos = jnp.arange(length, dtype=jnp.int32)[None]
         seg = jnp.ones_like(toks)
-        compiled = jax.jit(fwd).lower(state, toks, pos, seg).compile()  # compiled ahead: no warm-up run needed
+        compiled = jax.jit(fwd).lower(state, toks, pos, seg).compile()  # compiled ahead: the warm-up call does not compile
 
         def run():
             return compiled(state, toks, pos, seg).block_until_ready()
     clock = clock_fn(args.clock)
-    seconds = _time(run, args.repeats, warmup=impl == "hf", clock=clock)
+    seconds = _time(run, args.repeats, clock=clock)
     return dict(impl=impl, tokens=length, seconds=seconds, tokens_per_s=length / seconds, load_mb=load,
                 peak_mb=_peak_mb())
 

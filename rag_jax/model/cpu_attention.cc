@@ -224,10 +224,11 @@ static void run_task(const Problem& P, int64_t task, std::vector<float>& buf) {
           v16 sv = load(sr + c);
           if (cls == 1) {
             sv = load(mr + c) != 0.f ? sv : (v16{} + MASK_VALUE);
+            store(sr + c, sv);
           } else if (c + 16 > cols) {
             for (int64_t t = 0; t < 16; ++t) if (c + t >= cols) sv[t] = MASK_VALUE;
+            store(sr + c, sv);
           }
-          store(sr + c, sv);
           mxv = sv > mxv ? sv : mxv;
         }
         float mx = mxv[0];

@@ -22,7 +22,28 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));  // 
 static inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 static inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 
-// exp(x) (Cephes expf: range reduction by log 2, degree-5 polynomial; relative error ~1e-7); x clamped to
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// exp(x) (Cephes expf: x = n ln 2 + r, n = round(x / ln 2), |r| <= ln 2 / 2, degree-5 polynomial in r; relative
+// error ~1e-7), x clamped to [-87, 88]: callers need exp(x) for x <= 0 and multiply masked entries (whose x may
+// be huge either way) by 0. AVX-512's roundscale and scalef (the polynomial times 2^n) replace the integer
+// exponent arithmetic: 15 instead of 22 vector ops.
+static inline v16 vexp(v16 x) {
+  __m512 xv = _mm512_min_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xv);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_fmadd_ps(r, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return (v16)_mm512_scalef_ps(y, n);
+}
+#else
+// exp(x) without AVX-512 (Cephes expf: range reduction by log 2, degree-5 polynomial; relative error ~1e-7); x clamped to
 // [-87, 88]: callers need exp(x) for x <= 0 and multiply masked entries by 0.
 static inline v16 vexp(v16 x) {
   x = x < -87.f ? (v16{} - 87.f) : x;
@@ -42,6 +63,8 @@ static inline v16 vexp(v16 x) {
   std::memcpy(&scale, &e, sizeof(scale));
   return y * scale;
 }
+
+#endif
 
 // Cores this process may run on (its CPU affinity), at least 1.
 static inline int cores() {
