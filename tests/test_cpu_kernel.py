@@ -47,6 +47,32 @@ def test_blockwise_attention_calls_the_fused_kernel_on_cpu_and_the_build_is_cach
 
 
 
+
+@pytest.mark.parametrize("structure", ["block_last_block", "causal_window_over_cache"])
+def test_fused_forward_splits_the_keys_of_few_query_blocks(structure):
+    """One query block of one KV head over 6+ key tiles: the kernel splits the keys into ranges (FlashDecoding)
+    and merges the partial softmaxes; equal to the JAX tile loop, including a padding query (lse = MASK_VALUE)
+    and, with the window, rows whose keys all lie in one range."""
+    rng = np.random.default_rng()
+    cache_len, q_len = int(rng.integers(700, 900)), 50
+    q, k, v = _qkv(rng, 1, q_len, cache_len + q_len, heads=3, kv_heads=1, d=64)
+    cache_seg = (np.arange(cache_len) // 100 + 1).astype(np.int32)[None]
+    cache_seg[0, rng.integers(0, cache_len, 40)] = 0                 # empty slots
+    q_seg = np.full((1, q_len), int(cache_seg.max()) + 1, np.int32)
+    q_seg[0, -3:] = 0                                                # padding queries
+    kv_seg = np.concatenate([cache_seg, q_seg], 1)
+    pos = np.arange(cache_len + q_len, dtype=np.int32)[None]
+    if structure == "block_last_block":
+        spec = MaskSpec.create("block", q_seg, kv_seg, q_is_global=np.ones((1, q_len), bool))
+    else:
+        spec = MaskSpec.create("causal", q_seg, kv_seg, q_positions=pos[:, cache_len:], kv_positions=pos,
+                               sliding_window=int(rng.integers(20, 200)))
+    (out, lse), (ref, ref_lse) = _both(q, k, v, spec)
+    assert float(jnp.abs(ref).max()) > 0.1
+    np.testing.assert_allclose(out, ref, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=1e-6)
+    assert (np.asarray(lse)[..., -3:] < blockwise.MASK_VALUE / 2).all()
+
 def _both_grads(q, k, v, spec):
     """(dq, dk, dv) of the kernel-layout tensors through the fused backward and through the JAX tile loop, for
     fresh output and log-sum-exp cotangents (the joint-softmax merge differentiates lse too)."""

@@ -171,7 +171,16 @@ static int tile_class(const Problem& P, int64_t bi, int64_t q0, int64_t rows, in
   return every ? 2 : (some ? 1 : 0);
 }
 
-static void run_task(const Problem& P, int64_t task, std::vector<float>& buf) {
+// Partial results of one task over a key range (split-K, FlashDecoding): acc unnormalized [G, QB, d], row max m
+// and row sum l [G, QB] each; merged by merge_parts.
+struct Part {
+  float *acc, *m, *l;
+};
+
+// Task `task`'s query block over the key tiles [tile0, tile1): written normalized to out / lse, or (part given)
+// as the unnormalized partial.
+static void run_task(const Problem& P, int64_t task, std::vector<float>& buf, int64_t tile0, int64_t tile1,
+                     const Part* part) {
   const int64_t d = P.d, nqb = (P.lq + QB - 1) / QB;
   const int64_t qb = task % nqb, hi = (task / nqb) % P.h, bi = task / (nqb * P.h);
   const int64_t q0 = qb * QB, rows = std::min<int64_t>(QB, P.lq - q0), G = P.g, dv = d / 16;
@@ -193,7 +202,7 @@ static void run_task(const Problem& P, int64_t task, std::vector<float>& buf) {
   }
   const float* kh = P.k + (bi * P.h + hi) * P.lk * d;
   const float* vh = P.v + (bi * P.h + hi) * P.lk * d;
-  for (int64_t k0 = 0; k0 < P.lk; k0 += KB) {
+  for (int64_t k0 = tile0 * KB; k0 < std::min(P.lk, tile1 * KB); k0 += KB) {
     const int64_t cols = std::min<int64_t>(KB, P.lk - k0);
     const int cls = tile_class(P, bi, q0, rows, k0, cols);
     if (cls == 0) continue;
@@ -263,6 +272,12 @@ static void run_task(const Problem& P, int64_t task, std::vector<float>& buf) {
       }
     }
   }
+  if (part) {
+    std::copy(acc, acc + G * QB * d, part->acc);
+    std::copy(m, m + G * QB, part->m);
+    std::copy(l, l + G * QB, part->l);
+    return;
+  }
   for (int64_t gi = 0; gi < G; ++gi) {
     const int64_t row0 = ((bi * P.h + hi) * G + gi) * P.lq + q0;
     for (int64_t r = 0; r < rows; ++r) {
@@ -289,13 +304,59 @@ static ffi::Error FlashForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
             {q_seg.typed_data(), q_order.typed_data(), q_pos.typed_data(), q_glob.typed_data()},
             {kv_seg.typed_data(), kv_order.typed_data(), kv_pos.typed_data(), nullptr},
             qd[0], qd[1], qd[2], qd[3], kd[2], qd[4], mode, window};
-  const int64_t tasks = P.b * P.h * ((P.lq + QB - 1) / QB);
+  const int64_t tasks = P.b * P.h * ((P.lq + QB - 1) / QB), tiles = (P.lk + KB - 1) / KB;
   const size_t floats = P.d * KB + 2 * QB * KB + 2 * P.g * QB + 2 * P.g * QB * P.d + QB;
+  // Few query blocks (a Block-Attention last block, a short prompt over a long cache): each one's key tiles are
+  // split into `splits` ranges, so there are about 8 tasks per core (3 KV heads on 2 cores otherwise leave one
+  // core idle half the time), and the partials merged (FlashDecoding, Dao et al. 2023).
+  const int64_t splits = tasks >= 2 * cores() ? 1 : std::min(tiles, (8 * cores() + tasks - 1) / tasks);
   std::atomic<int64_t> next{0};
-  run_threads((int)workers(tasks), [&](int) {
+  if (splits == 1) {
+    run_threads((int)workers(tasks), [&](int) {
+      std::vector<float> buf(floats);
+      for (int64_t t; (t = next.fetch_add(1)) < tasks;) run_task(P, t, buf, 0, tiles, nullptr);
+    });
+    return ffi::Error::Success();
+  }
+  const int64_t part_floats = P.g * QB * (P.d + 2);
+  std::vector<float> parts(tasks * splits * part_floats);
+  auto part_of = [&](int64_t i) {
+    float* base = parts.data() + i * part_floats;
+    return Part{base, base + P.g * QB * P.d, base + P.g * QB * (P.d + 1)};
+  };
+  run_threads((int)workers(tasks * splits), [&](int) {
     std::vector<float> buf(floats);
-    for (int64_t t; (t = next.fetch_add(1)) < tasks;) run_task(P, t, buf);
+    for (int64_t i; (i = next.fetch_add(1)) < tasks * splits;) {
+      const Part part = part_of(i);
+      const int64_t t = i / splits, sp = i % splits;
+      run_task(P, t, buf, sp * tiles / splits, (sp + 1) * tiles / splits, &part);
+    }
   });
+  const int64_t nqb = (P.lq + QB - 1) / QB, d = P.d, G = P.g;
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t qb = t % nqb, hi = (t / nqb) % P.h, bi = t / (nqb * P.h);
+    const int64_t q0 = qb * QB, rows = std::min<int64_t>(QB, P.lq - q0);
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const int64_t row0 = ((bi * P.h + hi) * G + gi) * P.lq + q0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t x = gi * QB + r;
+        float mx = MASK_VALUE;
+        for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, part_of(t * splits + sp).m[x]);
+        float lr = 0.f;
+        float* o = P.out + (row0 + r) * d;
+        std::fill(o, o + d, 0.f);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const Part part = part_of(t * splits + sp);
+          if (part.l[x] <= 0.f) continue;
+          const float w = std::exp(part.m[x] - mx);
+          lr += w * part.l[x];
+          for (int64_t j = 0; j < d; ++j) o[j] += w * part.acc[x * d + j];
+        }
+        for (int64_t j = 0; j < d; ++j) o[j] = lr > 0.f ? o[j] / lr : 0.f;
+        P.lse[row0 + r] = lr > 0.f ? mx + std::log(lr) : MASK_VALUE;
+      }
+    }
+  }
   return ffi::Error::Success();
 }
 

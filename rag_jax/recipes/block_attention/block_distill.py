@@ -50,6 +50,7 @@ from rag_jax.data.loaders import NQ_ORACLE, load_nq_oracle, nq_passage_pool, sha
 from rag_jax.args import ScriptParser, input_file, integer, model_source, names, output_file, real, real_list
 from rag_jax.data.loaders import heldout_split
 from rag_jax.recipes.block_attention.block_nq import mine_negatives, own_reply_examples, training_examples
+from rag_jax.model.transformer import REMAT_POLICIES
 from rag_jax.evaluation import attention_mass
 from rag_jax.evaluation.rag import generate_answers, memo_json, score_answer
 from rag_jax.evaluation.stats import mcnemar, paired_difference
@@ -109,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=integer(0), default=d.warmup_steps)
     p.add_argument("--full-weight", type=real(0), default=d.full_weight,
                    help="weight of the full-attention pass's KL (0 = block pass only)")
+    p.add_argument("--remat", choices=REMAT_POLICIES, default=d.remat_policy,
+                   help="rematerialization of the trained top (dots / full: less memory for a deep top, more compute)")
     p.add_argument("--seq-len", type=integer(16), default=None, help="training row length (default: longest row)")
     p.add_argument("--prefix", type=names(PREFIXES[1:]), default=[],
                    help="training-free rows, comma-separated: sink (every passage block sees block 0's first token), "
@@ -241,7 +244,7 @@ def main(argv=None) -> int:
                             seq_len=-(-seq_len // 64) * 64,
                             max_targets=-(-max(len(target_positions(r)[0]) for r in train_rows) // 16) * 16,
                             full_weight=args.full_weight, learning_rate=args.lr, warmup_steps=args.warmup,
-                            seed=args.seed, save_every=max(1, min(25, args.steps)))
+                            seed=args.seed, save_every=max(1, min(25, args.steps)), remat_policy=args.remat)
         recipe = {"model": str(args.model), "data": str(args.data), "heldout": args.heldout, "seed": args.seed,
                   "train_rows": args.train_rows, "train_passages": train_passages, **dataclasses.asdict(cfg),
                   **({"train_max_passage": args.train_max_passage} if args.train_max_passage else {}),

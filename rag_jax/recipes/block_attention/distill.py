@@ -45,6 +45,7 @@ from rag_jax.inference.block_prefix import (block_parts, bucket_length, part_sha
                                             prefix_length)
 from rag_jax.inference.kv_store import model_fingerprint
 from rag_jax.model.hf import save_hf
+from rag_jax.model.transformer import REMAT_POLICIES
 from rag_jax.progress import progress_bar
 from rag_jax.train import checkpoint, optim, trainer
 from rag_jax.train.frozen_bottom import TOP_TRAINABLE, merge_top, split_model
@@ -68,6 +69,8 @@ class DistillConfig:
       learning_rate, warmup_steps: AdamW peak rate (cosine decay to 10%) and linear warmup; no weight decay.
       seed: row order.
       save_every: checkpoint interval in steps (the last step is always saved).
+      remat_policy: ``trainer.TrainConfig.remat_policy`` of the top (``"dots"`` or ``"full"`` bound the saved
+        activations of a deep top: 29 layers x 4 rows x 960 tokens, both passes, need ~23 GB without).
     """
 
     top_layers: int = 8
@@ -81,6 +84,7 @@ class DistillConfig:
     warmup_steps: int = 10
     seed: int = 0
     save_every: int = 25
+    remat_policy: str = "none"
 
     def __post_init__(self):
         for name in ("top_layers", "steps", "batch_size", "seq_len", "max_targets", "save_every"):
@@ -94,6 +98,8 @@ class DistillConfig:
                              "tokens); train with none, sink or system")
         if not self.learning_rate > 0:
             raise ValueError(f"distill learning_rate={self.learning_rate} must be > 0")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"distill remat_policy={self.remat_policy!r}; valid: {REMAT_POLICIES}")
 
 
 def target_positions(example: BlockExample) -> tuple[np.ndarray, np.ndarray]:
@@ -414,7 +420,7 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
         optimizer=optim.OptimizerConfig(learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
                                         weight_decay=0.0, trainable=TOP_TRAINABLE),
         train=trainer.TrainConfig(steps=cfg.steps, global_batch_size=cfg.batch_size, seed=cfg.seed, log_every=1,
-                                  run_dir=str(run_dir)),
+                                  run_dir=str(run_dir), remat_policy=cfg.remat_policy),
         checkpoint=checkpoint.CheckpointConfig(save_every=cfg.save_every, keep=1),
         logging=trainer.LoggingConfig(tensorboard=False))
     task = trainer.Task(BlockDistillLoss(full_weight=cfg.full_weight), batch, name="Block-Attention distillation",
