@@ -12,6 +12,8 @@ RSS after loading (what the prefill itself needed).
     rag-jax bench attention --sizes 1024,4096,8192 --impls dense,blockwise
     # both sides on the same 2 cores (each worker process pinned with CPU affinity), wall clock
     rag-jax bench attention --sizes 1024,4096,8192 --impls blockwise --threads 2
+    # three rounds per length, the sides alternating (a row: the median over rounds; per-round ratios printed)
+    rag-jax bench attention --sizes 1024,4096,8192 --impls blockwise --threads 2 --rounds 3
     # on a busy shared machine: one core each, CPU-time clock
     rag-jax bench attention --sizes 1024 --threads 1 --clock cpu
     # 4-layer toy config at lengths dense cannot hold
@@ -33,6 +35,7 @@ import sys
 import tempfile
 
 import jax
+import numpy as np
 
 from rag_jax.args import ScriptParser, int_list, integer, model_source, names
 from rag_jax.evaluation.timing import clock_fn, cpu_threads, median_ms
@@ -76,7 +79,6 @@ def _head_dims(args) -> tuple[int, int, int]:
 def kernel_run(impl: str, length: int, args):
     """``run()`` for one layer's causal attention over ``length`` tokens: torch sdpa for ``hf``, else
     ``rag_jax.model.attention.attend`` with ``impl`` (compiled ahead)."""
-    import numpy as np
     heads, kv_heads, d = _head_dims(args)
     rng = np.random.default_rng(args.seed)
     q, k, v = (rng.standard_normal((1, length, n, d), dtype=np.float32) for n in (heads, kv_heads, kv_heads))
@@ -99,7 +101,6 @@ def kernel_run(impl: str, length: int, args):
 
 def worker(impl: str, length: int, args) -> dict:
     """One measurement in this process: ``impl`` in ATTENTION_IMPLS or ``hf``."""
-    import numpy as np
     tokens = np.random.default_rng(args.seed).integers(1, 4000, (1, length))
     # e.g. no TPU runtime probe (and its memory) on a CPU bench; the config, not JAX_PLATFORMS: jax is imported
     jax.config.update("jax_platforms", args.platform)
@@ -174,7 +175,9 @@ def main(argv=None) -> int:
     p.add_argument("--impls", default="dense,blockwise",
                    help="rag_jax attention_impl values, comma-separated")
     p.add_argument("--no_hf", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--repeats", type=integer(1), default=3, help="timed prefills per row (median reported)")
+    p.add_argument("--repeats", type=integer(1), default=3, help="timed prefills per worker (median reported)")
+    p.add_argument("--rounds", type=integer(1), default=1,
+                   help="workers per row, the implementations alternating (a row: the median over rounds)")
     p.add_argument("--threads", type=integer(0), default=0,
                    help="cores: each side pinned (CPU affinity, as taskset) to the same first N cores, JAX and torch alike (0 = unpinned); each worker process binds itself")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
@@ -204,22 +207,38 @@ def main(argv=None) -> int:
 
 
 def _run(args, forwarded: list[str]) -> list[dict]:
+    """Per length, ``--rounds`` rounds of every implementation in turn (so a drift of the machine's speed reaches
+    both sides alike); a row is the median over rounds of the workers' medians, its peak the largest."""
     impls = ([] if args.no_hf else ["hf"]) + args.impls
     rows = []
     print(f"{'tokens':>7} {'impl':>10} {'median s':>9} {'tokens/s':>9} {'x hf':>6} {'load MB':>8} {'peak MB':>8} "
           f"{'peak-load MB':>12}", flush=True)
     for length in args.sizes:
+        runs = {impl: [] for impl in impls}
+        for _ in range(args.rounds):
+            for impl in impls:
+                runs[impl].append(measure(impl, length, forwarded))
         base = None
         for impl in impls:
-            row = measure(impl, length, forwarded)
-            rows.append(row)
-            if "error" in row:
-                print(f"{length:>7} {impl:>10} {row['error']}", flush=True)
+            errors = [r for r in runs[impl] if "error" in r]
+            if errors:
+                rows.append(errors[0])
+                print(f"{length:>7} {impl:>10} {errors[0]['error']}", flush=True)
                 continue
+            seconds = float(np.median([r["seconds"] for r in runs[impl]]))
+            row = dict(impl=impl, tokens=length, seconds=seconds, tokens_per_s=length / seconds,
+                       load_mb=max(r["load_mb"] for r in runs[impl]), peak_mb=max(r["peak_mb"] for r in runs[impl]),
+                       rounds=[r["seconds"] for r in runs[impl]])
+            rows.append(row)
             base = row["tokens_per_s"] if impl == "hf" else base
             ratio = f"{row['tokens_per_s'] / base:6.2f}" if base else f"{'-':>6}"
             print(f"{length:>7} {impl:>10} {row['seconds']:9.2f} {row['tokens_per_s']:9.0f} {ratio} "
                   f"{row['load_mb']:8.0f} {row['peak_mb']:8.0f} {row['peak_mb'] - row['load_mb']:12.0f}", flush=True)
+        if args.rounds > 1 and base and all("error" not in r for rs in runs.values() for r in rs):
+            per_round = [[runs["hf"][i]["seconds"] / runs[impl][i]["seconds"] for i in range(args.rounds)]
+                         for impl in args.impls]
+            for impl, ratios in zip(args.impls, per_round):
+                print(f"{length:>7} {impl:>10} x hf per round: {' '.join(f'{r:.2f}' for r in ratios)}", flush=True)
     return rows
 
 
