@@ -1,4 +1,5 @@
-"""Autoregressive generation: one jitted prefill + decode loop over a fixed-size KV cache.
+"""Autoregressive generation: a jitted prefill, then a jitted decode loop over a fixed-size KV cache (two programs:
+a long prompt compiles with other CPU options than decoding, ``model.xla_options``).
 
 Prompts of different lengths are left-padded (padding has ``segment_id 0`` and is never attended),
 so every row writes its new token into the same cache slot. An optional prefix ``kv_cache``
@@ -19,6 +20,7 @@ from flax import nnx
 
 from rag_jax.model.kv import DecodeCache, KVSegment
 from rag_jax.model.transformer import Transformer
+from rag_jax.model.xla_options import forward_options
 from rag_jax.tokenizer import eos_tuple
 
 
@@ -69,13 +71,24 @@ def prefill(model: Transformer, tokens, positions, segment_ids, prefix: KVSegmen
     return out.logits[:, -1], DecodeCache.from_segment(cache, model.inv_freq), cache.length - max_new_tokens
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "temperature", "top_k", "top_p",
-                                             "decode_attention"))
-def _generate(graphdef, state, tokens, segment_ids, positions, prefix, rng, *, max_new_tokens, eos_id, temperature,
-              top_k, top_p, decode_attention=None):
+def _prefill_program(graphdef, state, tokens, segment_ids, positions, prefix, *, max_new_tokens):
+    logits, cache, _ = prefill(nnx.merge(graphdef, state), tokens, positions, segment_ids, prefix, max_new_tokens)
+    return logits, cache
+
+
+@functools.cache
+def _prefill_jit(options: tuple):
+    """The jitted prefill compiled with ``options`` (``xla_options.forward_options`` pairs)."""
+    return jax.jit(_prefill_program, static_argnames=("graphdef", "max_new_tokens"),
+                   compiler_options=dict(options) or None)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "first_slot", "max_new_tokens", "eos_id", "temperature",
+                                             "top_k", "top_p", "decode_attention"))
+def _decode_loop(graphdef, state, logits, cache, last_pos, rng, *, first_slot, max_new_tokens, eos_id, temperature,
+                 top_k, top_p, decode_attention=None):
     model = nnx.merge(graphdef, state)
-    batch = tokens.shape[0]
-    logits, cache, first_slot = prefill(model, tokens, positions, segment_ids, prefix, max_new_tokens)
+    batch = logits.shape[0]
     attend = None
     if decode_attention is not None:
         attend = functools.partial(decode_attention.attend, decode_attention.prepare(cache, first_slot))
@@ -98,7 +111,7 @@ def _generate(graphdef, state, tokens, segment_ids, positions, prefix, rng, *, m
         return t + 1, cache, logits, pos, done, generated, rng
 
     generated = jnp.full((batch, max_new_tokens), fill, jnp.int32)
-    carry = (jnp.int32(0), cache, logits, positions[:, -1], jnp.zeros((batch,), bool), generated, rng)
+    carry = (jnp.int32(0), cache, logits, last_pos, jnp.zeros((batch,), bool), generated, rng)
     return jax.lax.while_loop(cond, body, carry)[5]
 
 
@@ -202,7 +215,11 @@ def generate(model: Transformer | tuple, prompts: Sequence[Sequence[int]] | np.n
         valid = np.asarray(kv_cache.segment_ids) != 0
         start = np.where(valid, np.asarray(kv_cache.positions), -1).max(axis=1, keepdims=True) + 1
     positions = np.maximum(np.cumsum(segment_ids, axis=1) - 1, 0) + start
-    return np.asarray(_generate(graphdef, state, jnp.asarray(tokens), jnp.asarray(segment_ids),
-                                jnp.asarray(positions, jnp.int32), kv_cache, jax.random.key(seed),
-                                max_new_tokens=max_new_tokens, eos_id=eos_tuple(eos_id), temperature=float(temperature),
-                                top_k=top_k, top_p=top_p, decode_attention=decode_attention))
+    positions = jnp.asarray(positions, jnp.int32)
+    logits, cache = _prefill_jit(forward_options(tokens.size))(
+        graphdef, state, jnp.asarray(tokens), jnp.asarray(segment_ids), positions, kv_cache,
+        max_new_tokens=max_new_tokens)
+    return np.asarray(_decode_loop(graphdef, state, logits, cache, positions[:, -1], jax.random.key(seed),
+                                   first_slot=prefix_len + tokens.shape[1], max_new_tokens=max_new_tokens,
+                                   eos_id=eos_tuple(eos_id), temperature=float(temperature), top_k=top_k, top_p=top_p,
+                                   decode_attention=decode_attention))
