@@ -43,3 +43,19 @@ def test_long_prefill_compiles_without_ynn_fusions_and_matches_the_default():
     G._prefill_jit(CPU_LONG_FORWARD_OPTIONS)
     assert info.currsize == 1 and G._prefill_jit.cache_info().hits == info.hits + 1
     assert (reply[:, 0] == np.asarray(jnp.argmax(out[()], -1))).all()
+
+
+def test_block_attention_forward_picks_the_options_by_width():
+    from rag_jax.inference import block_attention as B
+    rng = np.random.default_rng()
+    cfg = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_seq_len=1024)
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30)))))
+    B._forward_jit.cache_clear()
+    tokens = rng.integers(0, cfg.vocab_size, LONG_FORWARD_ROWS + 40)
+    long_logits, _ = B._padded_forward(graphdef, state, tokens, 0, None, 64, keep=1)
+    short_logits, _ = B._padded_forward(graphdef, state, tokens[-200:], LONG_FORWARD_ROWS - 160, None, 64, keep=1)
+    info = B._forward_jit.cache_info()
+    B._forward_jit(CPU_LONG_FORWARD_OPTIONS), B._forward_jit(())
+    assert info.currsize == 2 and B._forward_jit.cache_info().hits == info.hits + 2
+    assert np.isfinite(long_logits).all() and np.isfinite(short_logits).all()

@@ -40,6 +40,7 @@ from rag_jax.inference.block_prefix import bucket_length, prefix_length
 from rag_jax.inference.generate import generate as core_generate
 from rag_jax.inference.kv_store import KVStore, WeightsFingerprint
 from rag_jax.model import KVSegment, Transformer
+from rag_jax.model.xla_options import forward_options, jit_by_options
 
 MODES = ("block", "full")
 STORE_NAMESPACE = "block"  # store entries of passage blocks encoded alone, causal, at positions 0..n-1
@@ -59,8 +60,7 @@ class Prefill(NamedTuple):
     kv: KVSegment
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "keep"))
-def _forward(graphdef, state, tokens, positions, segment_ids, kv_cache, keep_from, keep):
+def _forward_program(graphdef, state, tokens, positions, segment_ids, kv_cache, keep_from, keep):
     """Causal forward of ``tokens [1, n]`` after ``kv_cache`` (or alone).
 
     Returns (float32 logits ``[keep, vocab]`` of tokens ``keep_from..keep_from+keep-1``, new-token KV).
@@ -73,13 +73,16 @@ def _forward(graphdef, state, tokens, positions, segment_ids, kv_cache, keep_fro
     return model.logits(hidden)[0], out.kv
 
 
+_forward_jit = jit_by_options(_forward_program, static_argnames=("graphdef", "keep"))  # by xla_options.forward_options
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
 def _padded_forward(graphdef, state, tokens: np.ndarray, start: int, kv_cache, multiple: int, keep: int,
                     width: int | None = None):
-    """``_forward`` of one row at positions ``start..``, right-padded to ``width`` tokens (default: the next
+    """``_forward_program`` of one row at positions ``start..``, right-padded to ``width`` tokens (default: the next
     multiple of ``multiple``).
 
     Padding (``segment_ids`` 0) comes after the real tokens, so it changes nothing they see; it only
@@ -94,8 +97,8 @@ def _padded_forward(graphdef, state, tokens: np.ndarray, start: int, kv_cache, m
     positions = np.where(segment_ids > 0, start + np.arange(width), 0).astype(np.int32)
     kept = min(_round_up(keep, multiple), width)      # padded too, so `keep` does not recompile
     keep_from = min(n - keep, width - kept)
-    logits, kv = _forward(graphdef, state, jnp.asarray(padded), jnp.asarray(positions), jnp.asarray(segment_ids),
-                          kv_cache, jnp.int32(keep_from), kept)
+    logits, kv = _forward_jit(forward_options(width))(graphdef, state, jnp.asarray(padded), jnp.asarray(positions),
+                                                      jnp.asarray(segment_ids), kv_cache, jnp.int32(keep_from), kept)
     return logits[n - keep - keep_from:n - keep_from], kv
 
 

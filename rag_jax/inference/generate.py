@@ -20,7 +20,7 @@ from flax import nnx
 
 from rag_jax.model.kv import DecodeCache, KVSegment
 from rag_jax.model.transformer import Transformer
-from rag_jax.model.xla_options import forward_options
+from rag_jax.model.xla_options import forward_options, jit_by_options
 from rag_jax.tokenizer import eos_tuple
 
 
@@ -76,11 +76,7 @@ def _prefill_program(graphdef, state, tokens, segment_ids, positions, prefix, *,
     return logits, cache
 
 
-@functools.cache
-def _prefill_jit(options: tuple):
-    """The jitted prefill compiled with ``options`` (``xla_options.forward_options`` pairs)."""
-    return jax.jit(_prefill_program, static_argnames=("graphdef", "max_new_tokens"),
-                   compiler_options=dict(options) or None)
+_prefill_jit = jit_by_options(_prefill_program, static_argnames=("graphdef", "max_new_tokens"))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "first_slot", "max_new_tokens", "eos_id", "temperature",

@@ -9,6 +9,8 @@ slower. Train steps have their own setting (``rag_jax.train.step.CPU_TRAIN_COMPI
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 
 LONG_FORWARD_ROWS = 512  # batch x tokens from which a forward-only program compiles with CPU_LONG_FORWARD_OPTIONS
@@ -20,3 +22,9 @@ def forward_options(rows: int) -> tuple[tuple[str, str], ...]:
     matmuls have ``rows`` rows (batch x tokens): :data:`CPU_LONG_FORWARD_OPTIONS` on the CPU backend from
     :data:`LONG_FORWARD_ROWS` rows, otherwise none (GPU / TPU keep their defaults)."""
     return CPU_LONG_FORWARD_OPTIONS if rows >= LONG_FORWARD_ROWS and jax.default_backend() == "cpu" else ()
+
+
+def jit_by_options(fun, **jit_kwargs):
+    """``options -> jax.jit(fun, compiler_options=dict(options) or None, **jit_kwargs)``, one jitted function per
+    distinct ``options`` (``forward_options`` pairs), created on first use."""
+    return functools.cache(lambda options: jax.jit(fun, compiler_options=dict(options) or None, **jit_kwargs))
