@@ -172,7 +172,7 @@ static int tile_class(const Problem& P, int64_t bi, int64_t q0, int64_t rows, in
 }
 
 // Partial results of one task over a key range (split-K, FlashDecoding): acc unnormalized [G, QB, d], row max m
-// and row sum l [G, QB] each; merged by merge_parts.
+// and row sum l [G, QB] each; FlashForward merges a query block's partials.
 struct Part {
   float *acc, *m, *l;
 };
