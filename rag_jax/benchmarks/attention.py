@@ -46,7 +46,7 @@ from rag_jax.model.gguf import convert_gguf
 from rag_jax.model.hf import config_from_hf, load_hf
 from rag_jax.model.load import resolve_model
 from rag_jax.model.masks import MaskSpec
-from rag_jax.model.xla_options import forward_options
+from rag_jax.model.xla_options import forward_options, jit_by_options
 
 TOY = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2)
 
@@ -144,7 +144,7 @@ def worker(impl: str, length: int, args) -> dict:
         pos = jnp.arange(length, dtype=jnp.int32)[None]
         seg = jnp.ones_like(toks)
         # compiled ahead (the warm-up call does not compile), with the library's prefill options (xla_options)
-        compiled = jax.jit(fwd, compiler_options=dict(forward_options(length)) or None).lower(state, toks, pos, seg).compile()
+        compiled = jit_by_options(fwd)(forward_options(length)).lower(state, toks, pos, seg).compile()
 
         def run():
             return compiled(state, toks, pos, seg).block_until_ready()

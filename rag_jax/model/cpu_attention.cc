@@ -171,6 +171,13 @@ static int tile_class(const Problem& P, int64_t bi, int64_t q0, int64_t rows, in
   return every ? 2 : (some ? 1 : 0);
 }
 
+// One output row from its online-softmax state: o = acc / l and lse = m + log l, or zeros and MASK_VALUE for a row
+// that saw no key (l = 0). acc may alias o.
+static inline void finish_row(float* o, float* lse, const float* acc, float m, float l, int64_t d) {
+  for (int64_t j = 0; j < d; ++j) o[j] = l > 0.f ? acc[j] / l : 0.f;
+  *lse = l > 0.f ? m + std::log(l) : MASK_VALUE;
+}
+
 // Partial results of one task over a key range (split-K, FlashDecoding): acc unnormalized [G, QB, d], row max m
 // and row sum l [G, QB] each; FlashForward merges a query block's partials.
 struct Part {
@@ -280,14 +287,8 @@ static void run_task(const Problem& P, int64_t task, std::vector<float>& buf, in
   }
   for (int64_t gi = 0; gi < G; ++gi) {
     const int64_t row0 = ((bi * P.h + hi) * G + gi) * P.lq + q0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float lr = l[gi * QB + r];
-      const bool seen = lr > 0.f;
-      float* o = P.out + (row0 + r) * d;
-      const float* ar = acc + (gi * QB + r) * d;
-      for (int64_t j = 0; j < d; ++j) o[j] = seen ? ar[j] / lr : 0.f;
-      P.lse[row0 + r] = seen ? m[gi * QB + r] + std::log(lr) : MASK_VALUE;
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      finish_row(P.out + (row0 + r) * d, P.lse + row0 + r, acc + (gi * QB + r) * d, m[gi * QB + r], l[gi * QB + r], d);
   }
 }
 
@@ -352,8 +353,7 @@ static ffi::Error FlashForward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
           lr += w * part.l[x];
           for (int64_t j = 0; j < d; ++j) o[j] += w * part.acc[x * d + j];
         }
-        for (int64_t j = 0; j < d; ++j) o[j] = lr > 0.f ? o[j] / lr : 0.f;
-        P.lse[row0 + r] = lr > 0.f ? mx + std::log(lr) : MASK_VALUE;
+        finish_row(o, P.lse + row0 + r, o, mx, lr, d);
       }
     }
   }
