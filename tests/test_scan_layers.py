@@ -117,11 +117,13 @@ def test_gradients_equal_under_every_remat_policy(policy):
 
 
 def test_adamw_train_step_on_a_mesh_equals_the_unrolled_stack():
-    """Two sharded AdamW steps (data 2 x fsdp 4): losses and updated parameters agree. (Adam's first steps move
-    a parameter by about lr * g / (|g| + eps): float32 rounding of a near-zero gradient changes that by up to lr,
-    so the bound on the parameters scales with lr, here 1e-3.)"""
+    """Two sharded AdamW steps (data 2 x fsdp 4): losses and updated parameters agree. Adam's first steps move
+    a parameter by about lr * g / (|g| + eps): with the default eps (1e-8) the float32 rounding of a near-zero
+    gradient (the two layouts sum in different orders) changes that by up to lr, which failed the bound below in
+    some random seeds (1 entry of 2,048 off by 1.03e-5). eps 1e-4 makes the update Lipschitz in g
+    (|d update| <= lr |d g| / eps), so rounding stays at rounding while the step is still AdamW's."""
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4))
-    tx = optax.adamw(1e-3)
+    tx = optax.adamw(1e-3, eps=1e-4)
     seed = _seed()
     batches = [dict(zip(("tokens", "positions", "segment_ids"), _rows(batch=8, seq=16))) for _ in range(2)]
     results = []
