@@ -142,6 +142,8 @@ BAD_SCRIPT_INPUT = [
     ("eval", "rapid", ["--etas", "0,-1"], "--etas"),
     ("eval", "rapid", ["--task", "kv"], "--task"),
     ("eval", "rapid", ["--gamma", "0"], "--gamma"),
+    ("eval", "rapid", ["--target", "sliding"], "--target"),
+    ("eval", "rapid", ["--target", "em_llm", "--set", "nosuch_key=1"], "nosuch_key"),
     ("eval", "needles", ["--variants", "simple,tree"], "--variants"),
     ("eval", "needles", ["--steps", "-1"], "--steps"),
     ("eval", "needles", ["--tuned", "{tmp}/notes.txt"], "--tuned"),

@@ -245,3 +245,44 @@ def test_shipped_configs_load():
     for path in paths:
         cfg = EMLLMConfig.from_yaml(path)
         assert cfg.n_mem >= cfg.max_block_size and cfg.chunk_size <= cfg.n_local
+
+
+def test_verify_commit_reads_like_steps_and_forgets_the_rejected_tokens(model):
+    """Speculative decoding's target interface (``verify`` a round, ``commit`` a prefix), in the setting where
+    EM-LLM equals full attention (contiguous positions, a memory holding every event): verified logits are full
+    attention's after each token; after ``commit(m)`` the stream continues as one that never read the rest,
+    through further rounds and steps that form events; the rejected slots' scores are cleared; misuse raises."""
+    rng = np.random.default_rng()
+    vocab = model.config.vocab_size
+    prompt = rng.integers(0, vocab, int(rng.integers(150, 260))).astype(np.int32)
+    cfg = EMLLMConfig(n_init=8, n_local=64, n_mem=2048, chunk_size=32, min_block_size=4, max_block_size=16,
+                      positions="contiguous", contiguity=True)
+    em = EMLLM(model, cfg)
+    em.prefill(prompt)
+    kept = list(prompt)
+    with pytest.raises(ValueError, match="needs a verify"):
+        em.commit(0)
+    events_before = len(em.store)
+    for round_ in range(8):
+        drafts = rng.integers(0, vocab, int(rng.integers(1, 7))).tolist()
+        rows = em.verify(drafts)
+        want = full_logits(model, np.asarray(kept + drafts, np.int32))
+        np.testing.assert_allclose(rows, want[len(kept):], rtol=0, atol=1e-5)
+        if round_ == 0:
+            with pytest.raises(ValueError, match="await commit"):
+                em.step(1)
+            with pytest.raises(ValueError, match="must be in"):
+                em.commit(len(drafts) + 1)
+        m = int(rng.integers(0, len(drafts) + 1))
+        em.commit(m)
+        kept += drafts[:m]
+        fill = em.segmenter.fill
+        assert all(float(np.abs(np.asarray(b.recent_score)[:, fill:]).max()) == 0.0 for b in em.buffers)
+        x = int(rng.integers(vocab))
+        np.testing.assert_allclose(em.step(x), full_logits(model, np.asarray(kept + [x], np.int32))[-1],
+                                   rtol=0, atol=1e-5)
+        kept.append(x)
+    assert em.segmenter.stream_len == len(kept) and len(em.store) > events_before    # memory formed meanwhile
+    assert em.store.num_tokens + em.segmenter.init_len + em.segmenter.fill == len(kept)
+    with pytest.raises(ValueError, match="at most chunk_size=32"):
+        em.verify(np.zeros(33, np.int32))

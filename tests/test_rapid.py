@@ -90,6 +90,25 @@ def test_greedy_rapid_without_transfer_is_the_targets_greedy_output():
         rapid.rapid_generate(target, long_prompt, drafter, short_prompt, max_new_tokens=4, gamma=0)
 
 
+def test_greedy_rapid_with_a_streaming_memory_target_is_its_greedy_output():
+    """An EM-LLM target (contiguous positions, a memory holding every event: full attention's output) through
+    ``verify`` / ``commit`` rounds: greedy eta=0 RAPID and the target alone give full attention's greedy tokens,
+    over a prompt long enough to form events."""
+    from rag_jax.memory import EMLLM, EMLLMConfig
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    model, drafter = _model(seed), _model(seed + 1)
+    long_prompt, short_prompt = rng.integers(0, 64, 150).tolist(), rng.integers(0, 64, 12).tolist()
+    em = EMLLM(model, EMLLMConfig(n_init=8, n_local=64, n_mem=2048, chunk_size=32, min_block_size=4,
+                                  max_block_size=16, positions="contiguous"))
+    reference = np.asarray(generate(model, [long_prompt], max_new_tokens=20)).reshape(-1).tolist()
+    out, stats = rapid.rapid_generate(em, long_prompt, drafter, short_prompt, max_new_tokens=20, gamma=3)
+    assert out == reference and stats.accepted < stats.drafted and stats.rounds > 1
+    assert len(em.store) > 0 and em.segmenter.stream_len == len(long_prompt) + len(out) - 1
+    alone, stats = rapid.stream_generate(em, long_prompt, max_new_tokens=20)
+    assert alone == reference and stats.target_steps == 19
+
+
 def test_stream_generate_is_greedy_decoding_and_compiles_nothing_while_it_decodes():
     """The target-alone baseline: the same tokens as ``generate``; every decode call was compiled with the
     prefill (the jitted step functions trace nothing during decoding), and it stops at an end id."""

@@ -21,7 +21,9 @@ output is the target's own greedy output, token for token.
 ``Transformer.decode``, jitted once per model, cache size and token count). The drafter decodes one token at a
 time; the target verifies a whole round in one decode call of ``gamma + 1`` tokens (the token emitted at the end
 of the last round, which it has not read yet, and the drafts), as speculative decoding needs to pay: one read of
-the target's weights and long KV cache per round instead of per token. ``decode_bytes`` gives the bytes each
+the target's weights and long KV cache per round instead of per token. The target may also be a streaming
+long-context model (``memory.EMLLM``, for inputs beyond the model's context): it reads each round with
+``EMLLM.verify`` (one chunk, one retrieval) and keeps the accepted prefix with ``EMLLM.commit``. ``decode_bytes`` gives the bytes each
 decode step reads, from which the context length where speculation can pay is computed.
 """
 from __future__ import annotations
@@ -178,6 +180,35 @@ class _Stream:
         self.logits = logits
 
 
+class _MemoryStream:
+    """A streaming long-context target (``memory.EMLLM`` or anything with its ``reset`` / ``prefill`` / ``step`` /
+    ``verify`` / ``commit``) behind ``_Stream``'s interface: ``feed_many`` verifies, and the ``rewind`` that
+    follows it commits the tokens kept (``EMLLM.verify``: one retrieval per verified chunk)."""
+
+    def __init__(self, target, prompt: Sequence[int]):
+        target.reset()
+        self.target, self._verified = target, 0
+        self.logits = np.asarray(target.prefill(np.asarray(prompt, np.int32)), np.float64)
+
+    def feed(self, token: int) -> np.ndarray:
+        self.logits = np.asarray(self.target.step(int(token)), np.float64)
+        return self.logits
+
+    def feed_many(self, tokens: Sequence[int]) -> np.ndarray:
+        rows = np.asarray(self.target.verify(np.asarray(tokens, np.int32)), np.float64)
+        self._verified, self.logits = len(tokens), rows[-1]
+        return rows
+
+    def rewind(self, n: int, logits: np.ndarray):
+        self.target.commit(self._verified - n)
+        self._verified, self.logits = 0, logits
+
+
+def _open_stream(model, prompt: Sequence[int], slots: int, widths: Sequence[int] = ()):
+    """``_MemoryStream`` for a streaming target (it has ``verify``), else ``_Stream`` over ``slots`` decode slots."""
+    return _MemoryStream(model, prompt) if hasattr(model, "verify") else _Stream(model, prompt, slots, widths)
+
+
 def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: Sequence[int], *,
                    max_new_tokens: int, gamma: int = 4, eta: float = 0.0, alpha: float = 0.1,
                    temperature: float = 0.0, eos_id: int | Sequence[int] | None = None,
@@ -186,7 +217,9 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
     ``drafter`` reads ``draft_prompt`` (the retrieved chunks + question); both share the tokenizer.
 
     Args:
-      target, drafter: ``Transformer``s (the same one may serve both).
+      target, drafter: ``Transformer``s (the same one may serve both); the target may instead be a streaming
+        long-context model (``memory.EMLLM``: it is reset, prefilled with ``target_prompt`` and verifies each
+        round with ``verify`` / ``commit``).
       target_prompt, draft_prompt: token ids.
       max_new_tokens: tokens emitted at most (fewer when an ``eos_id`` is emitted, which is included).
       gamma: tokens drafted per round (>= 1).
@@ -226,7 +259,7 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
 
     t0 = time.perf_counter()
     slots = max_new_tokens + gamma + 1
-    tgt = _Stream(target, target_prompt, slots, widths=(gamma, gamma + 1))
+    tgt = _open_stream(target, target_prompt, slots, widths=(gamma, gamma + 1))
     dft = _Stream(drafter, draft_prompt, slots + gamma)
     stats = RapidStats(prefill_seconds=time.perf_counter() - t0)
     t0 = time.perf_counter()
@@ -258,8 +291,9 @@ def rapid_generate(target, target_prompt: Sequence[int], drafter, draft_prompt: 
 
 def stream_generate(model, prompt: Sequence[int], *, max_new_tokens: int,
                     eos_id: int | Sequence[int] | None = None) -> tuple[list[int], RapidStats]:
-    """Greedy decoding of ``prompt`` by ``model`` alone, one token per decode call through the same compiled
-    prefill and decode step as ``rapid_generate`` (its baseline for decode tokens/s). Returns ``(emitted token ids,
+    """Greedy decoding of ``prompt`` by ``model`` alone (a ``Transformer`` or a streaming target, as
+    ``rapid_generate``'s), one token per decode call through the same compiled prefill and decode step as
+    ``rapid_generate`` (its baseline for decode tokens/s). Returns ``(emitted token ids,
     RapidStats)`` with ``seconds`` / ``prefill_seconds`` and ``target_steps`` set.
 
     Raises:
@@ -269,7 +303,7 @@ def stream_generate(model, prompt: Sequence[int], *, max_new_tokens: int,
                          f"(got {len(prompt)} tokens)")
     eos = set(eos_tuple(eos_id))
     t0 = time.perf_counter()
-    stream = _Stream(model, prompt, max_new_tokens)
+    stream = _open_stream(model, prompt, max_new_tokens)
     stats = RapidStats(prefill_seconds=time.perf_counter() - t0)
     t0 = time.perf_counter()
     out = [int(np.argmax(stream.logits))]

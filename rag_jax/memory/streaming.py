@@ -243,6 +243,13 @@ def _drop_front(b: LayerBuffers, count, new_len) -> LayerBuffers:
                      recent_score=score)
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _clear_scores(bufs, fill):
+    """Zero every layer's ``recent_score`` from buffer slot ``fill`` on (the slots of rejected verified tokens)."""
+    return [b.replace(recent_score=jnp.where(jnp.arange(b.recent_score.shape[1]) < fill, b.recent_score, 0.0))
+            for b in bufs]
+
+
 @functools.partial(jax.jit, static_argnums=(8, 9, 10), donate_argnums=(0,))
 def _cut(bufs, init_len, init_count, first_slot, starts, sizes, count, new_len, repr_topk, max_block_size, span):
     """Apply a ``Cut`` to every layer's buffers in one dispatch.
@@ -279,6 +286,7 @@ class EMLLM:
         em = EMLLM(model, EMLLMConfig(n_local=256, n_mem=256, chunk_size=64))
         logits = em.prefill(tokens)            # int [seq] -> float32 [vocab] after the last token
         new_tokens = em.generate(tokens, max_new_tokens=16)
+        rows = em.verify(drafted); em.commit(kept)   # speculative decoding: read a round, keep a prefix
 
     Attributes (inspectable state): ``buffers`` (per-layer ``LayerBuffers``), ``cache`` (``DeviceEventCache``),
     ``store`` (host ``EventStore``), ``segmenter`` (``EventSegmenter``: buffer fill, init length, stream length),
@@ -334,6 +342,7 @@ class EMLLM:
         self.store = EventStore(m.num_layers, m.num_heads * m.head_dim, cfg, self._index_factory)
         self._contiguity = [ContiguityBuffer() for _ in range(m.num_layers)]
         self.segmenter = EventSegmenter(cfg, self.buffer_len, np.dtype(dt))
+        self._verified = 0      # tokens read by ``verify`` and not yet committed
         self.retrieved: list[list[int]] = [[] for _ in range(m.num_layers)]
         self.attention: list[tuple[np.ndarray, np.ndarray] | None] = [None] * m.num_layers
 
@@ -392,6 +401,41 @@ class EMLLM:
             logits = self.step(token)
         return out
 
+    def verify(self, tokens) -> np.ndarray:
+        """Read ``tokens`` (int ``[n]``, ``1 <= n <= chunk_size``) on the decode path in one chunk and return the
+        float32 logits after each, ``[n, vocab]``, without forming memory yet: ``commit(m)`` keeps the first ``m``
+        and drops the rest, so a speculative decoder (``inference.rapid``) verifies a round of drafted tokens in
+        one call and rewinds the rejected ones. The chunk is padded to a power of two (at least 8) rather than to
+        ``chunk_size``. The kept tokens' keys and values are those of this call: retrieval ran once for the
+        chunk (its mean query, as in prefill), with the rejected tokens among its queries; their attention mass
+        on the window's keys stays in the representative scores (``commit`` clears only the rejected slots).
+
+        Raises:
+          ValueError: a verified chunk not yet committed, more than ``chunk_size`` tokens, or ``step``'s input
+            errors.
+        """
+        tokens = self._check_tokens(tokens)
+        if len(tokens) > self.cfg.chunk_size:
+            raise ValueError(f"verify reads at most chunk_size={self.cfg.chunk_size} tokens; got {len(tokens)}")
+        return np.asarray(self._process(tokens, None, head=True, commit=False))[:len(tokens)]
+
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` tokens of the last ``verify`` (``0 <= n <=`` its length) and form memory as
+        ``step`` would after them; the stream then continues as if the rest had never been read.
+
+        Raises:
+          ValueError: no verified chunk, or ``n`` outside ``[0, verified]``.
+        """
+        if not self._verified:
+            raise ValueError("commit() needs a verify() call before it")
+        if not 0 <= n <= self._verified:
+            raise ValueError(f"commit n={n} must be in [0, {self._verified}] (the tokens verify read)")
+        if n < self._verified:
+            self.buffers = _clear_scores(self.buffers, np.int32(self.segmenter.fill + n))
+        self._verified = 0
+        if n:
+            self._update_memory(n, None)
+
     def _check_tokens(self, tokens) -> np.ndarray:
         arr = np.asarray(tokens)
         if arr.ndim != 1:
@@ -407,8 +451,9 @@ class EMLLM:
         return arr.astype(np.int32)
 
     # ------------------------------------------------------------------ one chunk
-    def _process(self, tokens: np.ndarray, labels: np.ndarray | None, head: bool):
-        """Run one chunk (``len(tokens) <= chunk_size``) through all layers, then update memory.
+    def _process(self, tokens: np.ndarray, labels: np.ndarray | None, head: bool, commit: bool = True):
+        """Run one chunk (``len(tokens) <= chunk_size``) through all layers, then update memory (with ``commit``;
+        else ``verify``'s pending chunk, formed by ``commit``).
 
         Per layer one jit (``_step``: this layer's attention and MLP, then the next layer's projection) and one
         host round trip: the retrieval query comes back, the host picks and loads events (``_plan_memory``);
@@ -416,6 +461,8 @@ class EMLLM:
         ``labels`` (the next tokens; None on the decode path) give the surprise; the head runs when surprise
         segmentation needs it or ``head`` asks for the logits ``[q_len, vocab]`` (returned; else None).
         """
+        if self._verified:
+            raise ValueError(f"{self._verified} verified tokens await commit(n) before the stream reads more")
         if self._weights.changed():
             if self._started:   # the memory holds KV of the old weights: never mix them with the new ones
                 raise ValueError("the model's weights changed since this EM-LLM stream started (its memory holds "
@@ -423,7 +470,9 @@ class EMLLM:
             self.reset()
         self._started = True
         cfg, n = self.cfg, len(tokens)
-        q_len = 1 if n == 1 else cfg.chunk_size
+        # prefill chunks are padded to chunk_size (one shape), decode-path chunks (verify) to a power of two
+        q_len = 1 if n == 1 else cfg.chunk_size if labels is not None else min(cfg.chunk_size,
+                                                                                max(8, 1 << (n - 1).bit_length()))
         padded = np.zeros(q_len, np.int32)
         padded[:n] = tokens
         surprise_needed = labels is not None and cfg.memory and cfg.segmentation == "surprise"
@@ -448,7 +497,10 @@ class EMLLM:
             logits, surprise = self._head(params.model, x, label_arr)
         if labels is not None:      # prefill: boundaries (uniform ones or from surprise); decode: none
             surprise = np.asarray(surprise)[:n] if surprise_needed else np.zeros(n, np.float32)
-        self._update_memory(n, surprise)
+        if commit:
+            self._update_memory(n, surprise)
+        else:
+            self._verified = n
         return logits
 
     def _key_positions(self, layer: int, start: int, n: int) -> np.ndarray:
