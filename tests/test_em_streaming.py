@@ -286,3 +286,34 @@ def test_verify_commit_reads_like_steps_and_forgets_the_rejected_tokens(model):
     assert em.store.num_tokens + em.segmenter.init_len + em.segmenter.fill == len(kept)
     with pytest.raises(ValueError, match="at most chunk_size=32"):
         em.verify(np.zeros(33, np.int32))
+
+
+def test_sampled_decode_attention_over_the_memory(model):
+    """MagicPIG / TopK as EM-LLM's decode attention (``decode_attention``), where EM-LLM equals full attention:
+    TopK with a budget over the whole memory, and MagicPIG on dense layers only, give full attention's decode
+    logits; MagicPIG sampling on every layer changes every decode step's logits (the estimate is in use; prefill's
+    last token is one) and leaves prefill chunks exact."""
+    from rag_jax.inference.magicpig import MagicPIGDecode, TopKDecode
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, model.config.vocab_size, int(rng.integers(150, 220))).astype(np.int32)
+    cfg = EMLLMConfig(n_init=8, n_local=64, n_mem=2048, chunk_size=32, min_block_size=4, max_block_size=16,
+                      positions="contiguous")
+    extra = rng.integers(0, model.config.vocab_size, 3).tolist()
+    want = full_logits(model, np.concatenate([tokens, extra]))[len(tokens) - 1:]
+
+    def run(policy):
+        em = EMLLM(model, cfg, decode_attention=policy)
+        return np.stack([em.prefill(tokens)] + [em.step(t) for t in extra])
+
+    seed = int(rng.integers(1000))
+    for policy in (TopKDecode(budget=4096), MagicPIGDecode(bits=4, tables=8, seed=seed, dense_layers=(0, 1))):
+        np.testing.assert_allclose(run(policy), want, rtol=0, atol=1e-5)
+    em = EMLLM(model, cfg, decode_attention=MagicPIGDecode(bits=4, tables=8, seed=seed))
+    chunks = em.prefill(tokens, return_all_logits=True)    # chunks exact; the last token is a decode step
+    np.testing.assert_allclose(chunks[:-1], full_logits(model, tokens)[:-1], rtol=0, atol=1e-5)
+    sampled = np.stack([chunks[-1]] + [em.step(t) for t in extra])
+    assert np.isfinite(sampled).all() and (np.abs(sampled - want).max(1) > 1e-3).all()
+    with pytest.raises(ValueError, match="decode_attention="):
+        EMLLM(model, cfg, decode_attention="magicpig")
+    with pytest.raises(ValueError, match="memory=False"):
+        EMLLM(model, cfg.replace(memory=False), decode_attention=TopKDecode())

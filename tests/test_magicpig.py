@@ -122,6 +122,10 @@ def test_attend_equals_float64_reference(filled):
     want, frac = _reference(q, cache, mask, cfg, index)
     assert 0.05 < frac < 0.95
     np.testing.assert_allclose(cfg.attend(index, 0, q, cache.k[0], cache.v[0], mask), want, atol=2e-5, rtol=1e-4)
+    # hashed on the fly (EM-LLM's per-step memory): the same planes, centring and estimate
+    on_the_fly = magicpig._softmax_values(magicpig.decode_logits(cfg, q, cache.k[0], mask, index.middle),
+                                          cache.v[0], q)
+    np.testing.assert_allclose(on_the_fly, want, atol=2e-5, rtol=1e-4)
 
 
 def test_error_shrinks_with_the_number_of_tables():
@@ -160,6 +164,8 @@ def test_topk_equals_float64_reference_and_exact_at_full_budget():
     w = np.where(keep, np.exp(scores), 0.0)
     want = (np.einsum("bhgk,bhkd->bhgd", w, vt) / w.sum(-1, keepdims=True)).reshape(2, 1, 4, 16)
     np.testing.assert_allclose(cfg.attend(middle, 0, q, cache.k[0], cache.v[0], mask), want, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(magicpig._softmax_values(magicpig.decode_logits(cfg, q, cache.k[0], mask, middle),
+                                                        cache.v[0], q), want, atol=2e-5, rtol=1e-4)
     full = TopKDecode(budget=48, sink_tokens=3, local_tokens=4)
     np.testing.assert_allclose(full.attend(full.prepare(cache, filled), 0, q, cache.k[0], cache.v[0], mask),
                                attend_cache(q, cache.k[0], cache.v[0], mask), atol=1e-6)

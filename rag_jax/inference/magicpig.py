@@ -20,7 +20,9 @@ exact part, i.e. one softmax over logits ``q·k/√d - log u`` (sampled) and ``q
 
 Here the sampling is evaluated densely (every middle key's collision count is computed), which is exact
 to the method's distribution but not its speed: the reference gathers the colliding keys from bucket
-tables in host memory. Both policies plug into ``generate(..., decode_attention=...)``.
+tables in host memory. Both policies plug into ``generate(..., decode_attention=...)`` over a plain cache and
+into ``memory.EMLLM(..., decode_attention=...)`` over EM-LLM's window and memory (``decode_logits``: hashed per
+step, since the retrieved memory changes).
 """
 from __future__ import annotations
 
@@ -162,6 +164,27 @@ class LSHIndex:
     key_mean: tuple
     codes: tuple
     middle: jax.Array
+
+
+def decode_logits(policy, q, kt, mask, middle) -> jax.Array:
+    """One decode query's logits for one softmax over keys hashed on the fly (each call: for a cache whose keys
+    change every step, as EM-LLM's retrieved memory does), float32 ``[b, kv_heads, group, length]``: the
+    ``middle`` slots estimated by ``policy`` (``MagicPIGDecode``: sampled keys keep their score minus ``log u``,
+    the rest masked; ``TopKDecode``: its ``budget`` best kept), every other slot of ``mask`` exact, masked slots
+    ``MASK_VALUE``. ``policy=None``: every slot of ``mask`` exact. q ``[b, 1, num_heads, head_dim]`` (rotated),
+    kt ``[b, kv_heads, length, head_dim]``, mask bool ``[b, 1, length]``, middle bool ``[b, length]``. The
+    planes come from ``policy.seed`` and the keys are centred by the middle's mean, as ``prepare`` does."""
+    logits, scores, mid = _logits(q, kt, mask, middle)
+    if policy is None:
+        return jnp.where(mid, scores, logits)
+    if isinstance(policy, TopKDecode):
+        return jnp.where(topk_keep(scores, mid, policy.budget), scores, logits)
+    planes = hyperplanes(jax.random.key(policy.seed), kt.shape[-1], policy.bits, policy.tables)
+    mean = masked_mean(kt, middle)
+    index = LSHIndex(planes=planes, key_mean=(mean,), codes=(simhash(kt - mean, planes, policy.bits),),
+                     middle=middle)
+    sampled, u = policy.sample(index, 0, q, kt)
+    return jnp.where(mid & sampled, scores - jnp.log(jnp.maximum(u, jnp.finfo(jnp.float32).tiny)), logits)
 
 
 def hyperplanes(key, head_dim: int, bits: int, tables: int) -> jax.Array:

@@ -54,6 +54,7 @@ import numpy as np
 from flax import nnx
 
 from rag_jax.inference.kv_store import WeightsWatch
+from rag_jax.inference.magicpig import MagicPIGDecode, TopKDecode, decode_logits
 from rag_jax.memory.config import EMLLMConfig
 from rag_jax.memory.event_retrieval import ContiguityBuffer, merge_temporal, retrieval_budget, select_by_similarity
 from rag_jax.memory.event_store import DeviceEventCache, EventStore, representative_vectors
@@ -127,14 +128,17 @@ def _project(layer, x, n_valid, n_local: int, inv_freq):
     return q, k, v, q_mean.reshape(-1)
 
 
-def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, diagnose: bool, buf: LayerBuffers,
-            cache_k, cache_v, x, q, k, v, inv_freq, plan: MemoryPlan, start, n_valid, init_len):
+def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, diagnose: bool, sampler,
+            buf: LayerBuffers, cache_k, cache_v, x, q, k, v, inv_freq, plan: MemoryPlan, start, n_valid, init_len,
+            dense_layer):
     """One decoder layer over the chunk with local + memory attention in one softmax (``attend_joint``).
 
     ``start``: buffer slot of the chunk's first token; ``plan``: the layer's retrieved event tokens.
     Groups: the local window (buffer slots, causal within ``n_local``), then memory (init tokens and
     retrieved events, seen by every valid query, and the buffer slots a query reaches only outside its window:
-    ``slot + n_local <= query slot``). Returns the layer output, the updated buffers (the local keys' attention
+    ``slot + n_local <= query slot``). With a ``sampler`` (``EMLLM``'s ``decode_attention``) a decode step
+    (one query) estimates the retrieved events and the buffer outside the window by it (``_sampled_joint``)
+    unless ``dense_layer``; init tokens and the window stay exact. Returns the layer output, the updated buffers (the local keys' attention
     mass summed over the valid queries added to ``recent_score``, note §4.2) and, with ``diagnose``, the last
     valid query's weights float32 ``[num_heads, sum(kv_len_i)]`` (else None).
     """
@@ -172,7 +176,11 @@ def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, di
             q_mem = apply_rope(q, jnp.full((1, q_len), n_local - 1, jnp.int32), inv_freq)
         groups.append((q_mem, mem_k[None], mem_v[None], mem_mask))
 
-    out, lse = attend_joint(groups, return_lse=True, impl=impl)
+    if use_memory and sampler is not None and q_len == 1:
+        middle = jnp.concatenate([jnp.zeros(n_init, bool), plan.valid, slot_ok[:n_out]])[None]
+        out, lse = _sampled_joint(sampler, dense_layer, groups, middle)
+    else:
+        out, lse = attend_joint(groups, return_lse=True, impl=impl)
     mass = key_mass(q_local, k_local, local_mask, lse, q_ok.astype(jnp.float32)[None, None])[0, 0]
     last_weights = None
     if diagnose:
@@ -182,20 +190,42 @@ def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, di
     return x, buf.replace(recent_k=recent_k, recent_v=recent_v, recent_score=buf.recent_score + mass), last_weights
 
 
+def _sampled_joint(sampler, dense_layer, groups, middle):
+    """``attend_joint`` of a decode step's ``[(window), (memory)]`` groups with the memory's ``middle`` slots
+    (bool ``[1, mem_len]``) estimated by ``sampler`` (``inference.magicpig.decode_logits``; exact where
+    ``dense_layer``): ``(out [1, 1, num_heads, head_dim], lse [1, num_kv_heads, heads_per_kv_head, 1])``."""
+    logits, values = [], []
+    for i, (q, k, v, mask) in enumerate(groups):
+        kt, allowed = jnp.swapaxes(k, 1, 2), mask.dense()
+        if i == 0:
+            logits.append(decode_logits(None, q, kt, allowed, jnp.zeros(allowed.shape[::2], bool)))
+        else:
+            logits.append(jnp.where(dense_layer, decode_logits(None, q, kt, allowed, middle),
+                                    decode_logits(sampler, q, kt, allowed, middle)))
+        values.append(jnp.swapaxes(v, 1, 2))
+    joint = jnp.concatenate(logits, -1)                                       # [1, kvh, g, keys]
+    lse = jax.nn.logsumexp(joint, axis=-1)
+    w = jnp.exp(joint - lse[..., None])
+    out = jnp.einsum("bhgk,bhkd->bhgd", w, jnp.concatenate(values, 2).astype(jnp.float32))
+    q = groups[0][0]
+    return out.reshape(1, 1, q.shape[2], q.shape[3]).astype(q.dtype), lse[..., None]
+
+
 def _start(model_def, layer_def, n_local, model_leaves, layer_leaves, tokens, n_valid, inv_freq):
     """Embed the chunk (int32 ``[1, q_len]``) and project it for layer 0: ``(x, q, k, v, q_mean)``."""
     x = _merge(model_def, model_leaves).embed(tokens)
     return (x, *_project(_merge(layer_def, layer_leaves), x, n_valid, n_local, inv_freq))
 
 
-def _step(layer_def, n_local, positions, use_memory, impl, diagnose, layer_leaves, next_leaves, buf, cache_k, cache_v,
-          x, q, k, v, inv_freq, plan, start, n_valid, init_len):
+def _step(layer_def, n_local, positions, use_memory, impl, diagnose, sampler, layer_leaves, next_leaves, buf, cache_k,
+          cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len, dense_layer):
     """``_attend`` for one layer, then under the same jit the next layer's projection (``next_leaves``; the last
     layer projects with any layer's leaves and the result is dropped: one compiled shape for every layer):
     ``(buf, last_weights, (x, q, k, v, q_mean))``. One dispatch and one host round trip (the retrieval query) per
     layer."""
     x, buf, last_weights = _attend(_merge(layer_def, layer_leaves), n_local, positions, use_memory, impl, diagnose,
-                                   buf, cache_k, cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len)
+                                   sampler, buf, cache_k, cache_v, x, q, k, v, inv_freq, plan, start, n_valid,
+                                   init_len, dense_layer)
     return buf, last_weights, (x, *_project(_merge(layer_def, next_leaves), x, n_valid, n_local, inv_freq))
 
 
@@ -208,11 +238,12 @@ def _head(model_def, model_leaves, x, labels):
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(model_def, layer_def, n_local: int, positions: str, use_memory: bool, impl: str, diagnose: bool):
+def _compiled(model_def, layer_def, n_local: int, positions: str, use_memory: bool, impl: str, diagnose: bool,
+              sampler=None):
     """The chunk's jitted functions for one model structure and config; static arguments are bound (hashed) once
     here instead of on every call."""
     start = jax.jit(functools.partial(_start, model_def, layer_def, n_local))
-    step = jax.jit(functools.partial(_step, layer_def, n_local, positions, use_memory, impl, diagnose),
+    step = jax.jit(functools.partial(_step, layer_def, n_local, positions, use_memory, impl, diagnose, sampler),
                    donate_argnums=(2,))
     head = jax.jit(functools.partial(_head, model_def))
     return start, step, head
@@ -295,18 +326,29 @@ class EMLLM:
     the stream position of every key, -1 for padding, int64 ``[keys]``, and its attention weights float32
     ``[num_heads, keys]``; a key's weights sum over its copies, which the masks make disjoint).
 
+    ``decode_attention`` (``inference.magicpig.MagicPIGDecode`` or ``TopKDecode``, MagicPIG, ICLR 2025): decode
+    steps (one token) estimate the retrieved events and the buffer outside the window by LSH sampling or top-k,
+    the keys hashed every step (the retrieved memory changes); init tokens (the sinks) and the local window stay
+    exact, as do prefill and ``verify`` chunks.
+
     The weights are read at construction and ``reset``; a stream fed after the model's weights changed in place
     (``nnx.update``) raises ValueError (its memory holds the old weights' KV), an empty stream takes the new ones.
 
-    Raises ValueError for bad configs (see ``EMLLMConfig``), ``refine_from_layer >= num_layers``, empty input,
+    Raises ValueError for bad configs (see ``EMLLMConfig``), ``refine_from_layer >= num_layers``, a
+    ``decode_attention`` that is not a MagicPIG / TopK policy or is given with the memory off, empty input,
     batched input, token ids outside the vocabulary (TypeError for non-integer tokens) or changed weights.
     """
 
-    def __init__(self, model: Transformer, cfg: EMLLMConfig, *, index_factory=None, diagnose: bool = False):
+    def __init__(self, model: Transformer, cfg: EMLLMConfig, *, index_factory=None, diagnose: bool = False,
+                 decode_attention=None):
         mcfg = model.config
         if cfg.refinement is not None and cfg.refine_from_layer >= mcfg.num_layers:
             raise ValueError(f"refine_from_layer={cfg.refine_from_layer} must be < num_layers={mcfg.num_layers}")
 
+        if decode_attention is not None and not isinstance(decode_attention, (MagicPIGDecode, TopKDecode)):
+            raise ValueError(f"decode_attention={decode_attention!r}; valid: None, MagicPIGDecode, TopKDecode")
+        if decode_attention is not None and not cfg.memory:
+            raise ValueError("decode_attention samples EM-LLM's memory; EMLLMConfig.memory=False has none")
         self.cfg, self.model_config = cfg, mcfg
         graphdef, state = nnx.split(model)
         layer_graphdef, layer_state = nnx.split(model.layer(0))
@@ -314,7 +356,9 @@ class EMLLM:
         self._weights = WeightsWatch(state)  # live: sees nnx.update of the model
         self._start, self._step, self._head = _compiled((graphdef, jax.tree.structure(state)),
                                             (layer_graphdef, jax.tree.structure(layer_state)), cfg.n_local,
-                                            cfg.positions, cfg.memory, mcfg.attention_impl, diagnose)
+                                            cfg.positions, cfg.memory, mcfg.attention_impl, diagnose,
+                                            decode_attention)
+        self.decode_attention = decode_attention
         self._inv_freq = model.inv_freq
         self._index_factory = index_factory
         self.buffer_len = cfg.n_local + cfg.chunk_size + cfg.max_block_size
@@ -484,12 +528,13 @@ class EMLLM:
         start, init_len = np.int32(seg.fill), np.int32(seg.init_len)
         x, q, k, v, q_mean = self._start(params.model, params.layers[0], padded[None], np.int32(n), self._inv_freq)
         num_layers = self.model_config.num_layers
+        dense = None if self.decode_attention is None else self.decode_attention.dense_layers
         for layer in range(num_layers):
             plan = self._plan_memory(layer, q_mean, n)
             self.buffers[layer], last_weights, (x, q, k, v, q_mean) = self._step(
                 params.layers[layer], params.layers[(layer + 1) % num_layers], self.buffers[layer],
                 self.cache.k[layer], self.cache.v[layer], x, q, k, v, self._inv_freq, plan, start, np.int32(n),
-                init_len)
+                init_len, np.bool_(dense is not None and layer in dense))
             if self.diagnose:
                 self.attention[layer] = (self._key_positions(layer, int(start), n), np.asarray(last_weights))
         logits = surprise = None
