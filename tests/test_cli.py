@@ -208,6 +208,8 @@ BAD_SCRIPT_INPUT = [
     ("bench", "magicpig", ["--lsh", "10:150", "0:4"], "--lsh"),
     ("bench", "magicpig", ["--lengths", "4096,100"], "--lengths"),
     ("bench", "magicpig", ["--samples", "0"], "--samples"),
+    ("bench", "magicpig", ["--base", "paged"], "--base"),
+    ("bench", "magicpig", ["--base", "em_llm", "--set", "n_mem=-4"], "n_mem"),
     ("bench", "magicpig", ["--model", "no-such-model"], "--model"),
     ("bench", "model_vs_torch", ["--lr", "nan"], "--lr"),
     ("bench", "model_vs_torch", ["--batch", "-1"], "--batch"),

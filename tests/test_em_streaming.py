@@ -313,6 +313,18 @@ def test_sampled_decode_attention_over_the_memory(model):
     np.testing.assert_allclose(chunks[:-1], full_logits(model, tokens)[:-1], rtol=0, atol=1e-5)
     sampled = np.stack([chunks[-1]] + [em.step(t) for t in extra])
     assert np.isfinite(sampled).all() and (np.abs(sampled - want).max(1) > 1e-3).all()
+    error, used, count = np.asarray(em.estimates).T
+    assert (error == 0).all() and (0 < used).all() and (used < 1).all() and (count > 50).all()
+    # measured: exact attention beside the estimate at the same inputs; the stream goes on with the estimate
+    measured = EMLLM(model, cfg, decode_attention=MagicPIGDecode(bits=4, tables=8, seed=seed), measure=True)
+    np.testing.assert_allclose(np.stack([measured.prefill(tokens)] + [measured.step(t) for t in extra]), sampled,
+                               rtol=0, atol=1e-5)
+    error, used, count = np.asarray(measured.estimates).T
+    assert (error > 1e-3).all() and np.isfinite(error).all() and (0 < used).all() and (used < 1).all()
+    full = EMLLM(model, cfg, decode_attention=TopKDecode(budget=4096), measure=True)
+    full.prefill(tokens)
+    error, used, _ = np.asarray(full.estimates).T
+    assert (error < 1e-5).all() and (used == 1).all()
     with pytest.raises(ValueError, match="decode_attention="):
         EMLLM(model, cfg, decode_attention="magicpig")
     with pytest.raises(ValueError, match="memory=False"):

@@ -16,11 +16,22 @@ depths ``(i + 0.5) / samples``) the prompt is prefilled once (exact attention) a
    middle key's collision count; ``magicpig`` module doc), so this is its cost in this implementation, not the
    reference's host-memory bucket lookup.
 
-SmolLM2-135M was trained to 8,192 tokens: longer prompts need EM-LLM's memory, which these policies do not wrap
-yet. The first reply token comes from the exact prefill; MagicPIG and TopK act from the second on.
+The first reply token comes from the exact prefill; MagicPIG and TopK act from the second on.
+
+``--base em_llm`` (SmolLM2-135M was trained to 8,192 tokens; longer prompts need EM-LLM's memory): the policies
+estimate EM-LLM's retrieved events and out-of-window buffer at each decode step (``memory.EMLLM(...,
+decode_attention=...)``; init tokens and the local window exact; the first reply token comes from the prompt's
+last token, which EM-LLM decodes as a step, so they act from the first on), ``--em-config`` / ``--set`` as
+``eval long_context`` (raise ``n_mem`` to give the sampler a memory worth sampling). Per prompt: exact EM-LLM;
+per LSH setting a measured MagicPIG stream (``measure=True``: exact attention computed beside the estimate at
+every decode step, at the same inputs, for its error; the stream goes on with the estimate, so its reply is
+MagicPIG's) and a measured TopK stream whose budget is the MagicPIG stream's mean number of keys used.
+Decode ms/token (first prompt of each length): the median decode step of unmeasured streams (EM-LLM's prefill
+dominates a prompt's time, so the steps are timed alone).
 
     rag-jax bench magicpig --model smollm2-135m-instruct --lengths 4096 8000 --samples 4 --threads 2
     rag-jax bench magicpig --lengths 2048 --samples 2 --lsh 8:40 --no-time      # quick
+    rag-jax bench magicpig --base em_llm --lengths 16384,32768 --samples 2 --lsh 8:75 --set n_mem=2048
 """
 from __future__ import annotations
 
@@ -33,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rag_jax.atomic import write_text
-from rag_jax.args import ScriptParser, int_list, integer, model_source, output_file
+from rag_jax.args import ScriptParser, input_file, int_list, integer, model_source, output_file
 from rag_jax.recipes.em_llm.tasks import correct, passkey_prompts
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import cpu_threads, median_ms
@@ -42,6 +53,8 @@ from rag_jax.inference.magicpig import MagicPIGDecode, TopKDecode
 from rag_jax.model.attention import attend_cache
 from rag_jax.model.kv import DecodeCache, KVSegment
 from rag_jax.model.load import load_model
+from rag_jax.memory import EMLLM, EMLLMConfig
+from rag_jax.recipes.em_llm.long_context import EM_CONFIG
 
 
 def lsh_setting(text: str) -> tuple[int, int]:
@@ -105,6 +118,43 @@ def step_errors(records, prompt_end: int, settings) -> dict:
     return out
 
 
+def em_rows(loaded, cfg: EMLLMConfig, prompt, settings, new_tokens: int, time_steps: bool) -> dict:
+    """One passkey prompt with EM-LLM as the base (module doc) -> per method ``{"reply": ids, "rel_error",
+    "fraction", "ms_per_token"}``: error and fraction from the measured stream (``EMLLM(measure=True)``, means
+    over the decode steps and the layers outside ``dense_layers``); ``ms_per_token`` (with ``time_steps``) the
+    median decode step of an unmeasured stream, else None."""
+    model, ids = loaded.model, prompt.ids
+    dense = dense_layers(loaded.config.num_layers)
+
+    def run(policy, measure):
+        em = EMLLM(model, cfg, decode_attention=policy, measure=measure)
+        logits, out, ms, estimates = em.prefill(ids), [], [], []
+        while True:
+            estimates += [np.asarray(e) for layer, e in enumerate(em.estimates) if layer not in dense and e is not None]
+            out.append(int(np.argmax(logits)))
+            if len(out) == new_tokens or out[-1] in loaded.eos_ids:
+                break
+            t0 = time.perf_counter()
+            logits = np.asarray(em.step(out[-1]))
+            ms.append(1000 * (time.perf_counter() - t0))
+        est = np.asarray(estimates).reshape(-1, 3)
+        return {"reply": out, "ms": float(np.median(ms[1:] or ms)) if ms else None,
+                "rel_error": float(est[:, 0].mean()) if len(est) else 0.0,
+                "fraction": float(est[:, 1].mean()) if len(est) else 1.0,
+                "keys": float(est[:, 2].mean()) if len(est) else 0.0}
+
+    exact = run(None, False)
+    rows = {"exact": {**exact, "ms_per_token": exact["ms"] if time_steps else None}}
+    for bits, tables in settings:
+        pig = MagicPIGDecode(bits=bits, tables=tables, dense_layers=dense)
+        measured = run(pig, True)
+        top = TopKDecode(budget=max(int(round(measured["fraction"] * measured["keys"])), 1), dense_layers=dense)
+        for name, policy, row in ((f"magicpig {bits}:{tables}", pig, measured),
+                                  (f"topk @ {bits}:{tables}", top, run(top, True))):
+            rows[name] = {**row, "ms_per_token": run(policy, False)["ms"] if time_steps else None}
+    return rows
+
+
 def _relative(x, exact) -> float:
     x, exact = np.asarray(x, np.float64), np.asarray(exact, np.float64)
     return float((np.linalg.norm(x - exact, axis=-1) / np.maximum(np.linalg.norm(exact, axis=-1), 1e-30)).mean())
@@ -123,20 +173,36 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=integer(1), default=3)
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--threads", type=integer(0), default=0, help="cores (CPU affinity; 0 = unpinned)")
+    p.add_argument("--base", choices=("cache", "em_llm"), default="cache",
+                   help="the long KV the policies estimate: the plain decode cache or EM-LLM's memory")
+    p.add_argument("--em-config", type=input_file, default=str(EM_CONFIG), help="EM-LLM settings (--base em_llm)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --em-config")
     p.add_argument("--out", type=output_file, default=None, help="JSON report")
     args = p.parse_args(argv)
+    em_cfg = EMLLMConfig.from_yaml(args.em_config, args.set) if args.base == "em_llm" else None
     cpu_threads(args.threads)
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer
     longest = max(args.lengths) + args.new_tokens + 32
-    if longest > loaded.config.max_seq_len:
+    if em_cfg is None and longest > loaded.config.max_seq_len:
         p.error(f"argument --lengths: {max(args.lengths)} + reply exceeds {args.model}'s "
                 f"max_seq_len={loaded.config.max_seq_len}")
     t0 = time.perf_counter()
-    report = {"model": str(args.model), "lsh": args.lsh, "lengths": {}}
+    report = {"model": str(args.model), "lsh": args.lsh, "base": args.base, "lengths": {},
+              **({"em_config": em_cfg.to_dict()} if em_cfg else {})}
     for length in args.lengths:
         errors, hits, timing, budgets = {}, {}, {}, {}
         for i, prompt in enumerate(passkey_prompts(loaded, length, args.samples, args.seed, "repeat")):
+            if em_cfg is not None:
+                for name, row in em_rows(loaded, em_cfg, prompt, args.lsh, args.new_tokens,
+                                         args.time and i == 0).items():
+                    errors.setdefault(name, []).append((row["rel_error"], row["fraction"]))
+                    hits.setdefault(name, []).append(bool(correct("passkey", tok.decode(row["reply"]), prompt.answer)))
+                    if row["ms_per_token"] is not None:
+                        timing[name] = row["ms_per_token"]
+                print(f"  {length} tokens, prompt {i + 1}/{args.samples}: "
+                      + ", ".join(f"{k} {v[-1]}" for k, v in hits.items()), flush=True)
+                continue
             prefix, records, _ = record_step(model, prompt.ids)
             for name, (err, frac) in step_errors(records, len(prompt.ids), args.lsh).items():
                 errors.setdefault(name, []).append((err, frac))
@@ -171,7 +237,7 @@ def main(argv=None) -> int:
                        "fraction": float(np.mean([f for _, f in errors[name]])) if name in errors else 1.0,
                        "ms_per_token": timing.get(name)} for name, h in hits.items()}
         report["lengths"][length] = rows
-        print(f"\n{length} tokens, {args.samples} passkey prompts ({args.model})")
+        print(f"\n{length} tokens, {args.samples} passkey prompts ({args.model}, base: {args.base})")
         print(table(["method", "keys used", "rel. error", "passkey", "decode ms/token"],
                     [[k, r["fraction"], r["rel_error"], f"{r['correct']}/{r['n']}",
                       "-" if r["ms_per_token"] is None else f"{r['ms_per_token']:.1f}"] for k, r in rows.items()],

@@ -61,6 +61,7 @@ from rag_jax.memory.event_store import DeviceEventCache, EventStore, representat
 from rag_jax.memory.refinement import key_similarity
 from rag_jax.memory.segmentation import EventSegmenter, surprise_from_logits
 from rag_jax.model import MaskSpec, Transformer, apply_rope, attend_joint, key_mass
+from rag_jax.model.blockwise import MASK_VALUE
 from rag_jax.tokenizer import eos_tuple
 
 
@@ -128,7 +129,7 @@ def _project(layer, x, n_valid, n_local: int, inv_freq):
     return q, k, v, q_mean.reshape(-1)
 
 
-def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, diagnose: bool, sampler,
+def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, diagnose: bool, sampler, measure: bool,
             buf: LayerBuffers, cache_k, cache_v, x, q, k, v, inv_freq, plan: MemoryPlan, start, n_valid, init_len,
             dense_layer):
     """One decoder layer over the chunk with local + memory attention in one softmax (``attend_joint``).
@@ -138,9 +139,12 @@ def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, di
     retrieved events, seen by every valid query, and the buffer slots a query reaches only outside its window:
     ``slot + n_local <= query slot``). With a ``sampler`` (``EMLLM``'s ``decode_attention``) a decode step
     (one query) estimates the retrieved events and the buffer outside the window by it (``_sampled_joint``)
-    unless ``dense_layer``; init tokens and the window stay exact. Returns the layer output, the updated buffers (the local keys' attention
-    mass summed over the valid queries added to ``recent_score``, note §4.2) and, with ``diagnose``, the last
-    valid query's weights float32 ``[num_heads, sum(kv_len_i)]`` (else None).
+    unless ``dense_layer``; init tokens and the window stay exact; with ``measure`` exact attention is computed
+    beside it (the layer continues with the estimate) for the error. Returns the layer output, the updated buffers (the
+    local keys' attention mass summed over the valid queries added to ``recent_score``, note §4.2), with
+    ``diagnose`` the last valid query's weights float32 ``[num_heads, sum(kv_len_i)]`` (else None), and float32
+    ``[3]``: the estimate's relative L2 error against exact attention (mean over heads; 0 unless ``measure``),
+    the fraction of the estimated keys it used (1 where nothing is estimated) and their number.
     """
     q_len, buf_len = q.shape[1], buf.recent_k.shape[0]
     recent_k = jax.lax.dynamic_update_slice(buf.recent_k, k[0].astype(buf.recent_k.dtype), (start, 0, 0))
@@ -176,9 +180,16 @@ def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, di
             q_mem = apply_rope(q, jnp.full((1, q_len), n_local - 1, jnp.int32), inv_freq)
         groups.append((q_mem, mem_k[None], mem_v[None], mem_mask))
 
+    estimate = jnp.asarray([0.0, 1.0, 0.0], jnp.float32)
     if use_memory and sampler is not None and q_len == 1:
         middle = jnp.concatenate([jnp.zeros(n_init, bool), plan.valid, slot_ok[:n_out]])[None]
-        out, lse = _sampled_joint(sampler, dense_layer, groups, middle)
+        out, lse, used, count = _sampled_joint(sampler, dense_layer, groups, middle)
+        error = 0.0
+        if measure:
+            exact = attend_joint(groups, impl=impl).astype(jnp.float32)
+            error = jnp.mean(jnp.linalg.norm(out.astype(jnp.float32) - exact, axis=-1)
+                             / jnp.maximum(jnp.linalg.norm(exact, axis=-1), 1e-30))
+        estimate = jnp.stack([jnp.asarray(error, jnp.float32), used, count.astype(jnp.float32)])
     else:
         out, lse = attend_joint(groups, return_lse=True, impl=impl)
     mass = key_mass(q_local, k_local, local_mask, lse, q_ok.astype(jnp.float32)[None, None])[0, 0]
@@ -187,28 +198,34 @@ def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, di
         last = (jnp.arange(q_len) == n_valid - 1).astype(jnp.float32)[None, None]
         last_weights = jnp.concatenate([key_mass(gq, gk, m, lse, last)[0, 0] for gq, gk, _, m in groups], -1)
     x = layer.finish(x, out)
-    return x, buf.replace(recent_k=recent_k, recent_v=recent_v, recent_score=buf.recent_score + mass), last_weights
+    return (x, buf.replace(recent_k=recent_k, recent_v=recent_v, recent_score=buf.recent_score + mass), last_weights,
+            estimate)
 
 
 def _sampled_joint(sampler, dense_layer, groups, middle):
     """``attend_joint`` of a decode step's ``[(window), (memory)]`` groups with the memory's ``middle`` slots
     (bool ``[1, mem_len]``) estimated by ``sampler`` (``inference.magicpig.decode_logits``; exact where
-    ``dense_layer``): ``(out [1, 1, num_heads, head_dim], lse [1, num_kv_heads, heads_per_kv_head, 1])``."""
+    ``dense_layer``): ``(out [1, 1, num_heads, head_dim], lse [1, num_kv_heads, heads_per_kv_head, 1], the
+    fraction of middle keys kept, averaged over heads, the number of middle keys)``."""
     logits, values = [], []
     for i, (q, k, v, mask) in enumerate(groups):
         kt, allowed = jnp.swapaxes(k, 1, 2), mask.dense()
         if i == 0:
             logits.append(decode_logits(None, q, kt, allowed, jnp.zeros(allowed.shape[::2], bool)))
         else:
+            middle = middle & allowed[:, 0]           # memory slots this query attends (not those in its window)
             logits.append(jnp.where(dense_layer, decode_logits(None, q, kt, allowed, middle),
                                     decode_logits(sampler, q, kt, allowed, middle)))
         values.append(jnp.swapaxes(v, 1, 2))
+    kept = jnp.sum(middle[:, None, None, :] & (logits[1] > MASK_VALUE / 2), -1)
+    count = jnp.sum(middle)
+    used = jnp.mean(kept / jnp.maximum(count, 1))
     joint = jnp.concatenate(logits, -1)                                       # [1, kvh, g, keys]
     lse = jax.nn.logsumexp(joint, axis=-1)
     w = jnp.exp(joint - lse[..., None])
     out = jnp.einsum("bhgk,bhkd->bhgd", w, jnp.concatenate(values, 2).astype(jnp.float32))
     q = groups[0][0]
-    return out.reshape(1, 1, q.shape[2], q.shape[3]).astype(q.dtype), lse[..., None]
+    return out.reshape(1, 1, q.shape[2], q.shape[3]).astype(q.dtype), lse[..., None], used, count
 
 
 def _start(model_def, layer_def, n_local, model_leaves, layer_leaves, tokens, n_valid, inv_freq):
@@ -217,16 +234,16 @@ def _start(model_def, layer_def, n_local, model_leaves, layer_leaves, tokens, n_
     return (x, *_project(_merge(layer_def, layer_leaves), x, n_valid, n_local, inv_freq))
 
 
-def _step(layer_def, n_local, positions, use_memory, impl, diagnose, sampler, layer_leaves, next_leaves, buf, cache_k,
+def _step(layer_def, n_local, positions, use_memory, impl, diagnose, sampler, measure, layer_leaves, next_leaves, buf, cache_k,
           cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len, dense_layer):
     """``_attend`` for one layer, then under the same jit the next layer's projection (``next_leaves``; the last
     layer projects with any layer's leaves and the result is dropped: one compiled shape for every layer):
-    ``(buf, last_weights, (x, q, k, v, q_mean))``. One dispatch and one host round trip (the retrieval query) per
+    ``(buf, last_weights, estimate, (x, q, k, v, q_mean))``. One dispatch and one host round trip (the retrieval query) per
     layer."""
-    x, buf, last_weights = _attend(_merge(layer_def, layer_leaves), n_local, positions, use_memory, impl, diagnose,
-                                   sampler, buf, cache_k, cache_v, x, q, k, v, inv_freq, plan, start, n_valid,
+    x, buf, last_weights, estimate = _attend(_merge(layer_def, layer_leaves), n_local, positions, use_memory, impl,
+                                             diagnose, sampler, measure, buf, cache_k, cache_v, x, q, k, v, inv_freq, plan, start, n_valid,
                                    init_len, dense_layer)
-    return buf, last_weights, (x, *_project(_merge(layer_def, next_leaves), x, n_valid, n_local, inv_freq))
+    return buf, last_weights, estimate, (x, *_project(_merge(layer_def, next_leaves), x, n_valid, n_local, inv_freq))
 
 
 def _head(model_def, model_leaves, x, labels):
@@ -239,11 +256,12 @@ def _head(model_def, model_leaves, x, labels):
 
 @functools.lru_cache(maxsize=16)
 def _compiled(model_def, layer_def, n_local: int, positions: str, use_memory: bool, impl: str, diagnose: bool,
-              sampler=None):
+              sampler=None, measure: bool = False):
     """The chunk's jitted functions for one model structure and config; static arguments are bound (hashed) once
     here instead of on every call."""
     start = jax.jit(functools.partial(_start, model_def, layer_def, n_local))
-    step = jax.jit(functools.partial(_step, layer_def, n_local, positions, use_memory, impl, diagnose, sampler),
+    step = jax.jit(functools.partial(_step, layer_def, n_local, positions, use_memory, impl, diagnose, sampler,
+                                     measure),
                    donate_argnums=(2,))
     head = jax.jit(functools.partial(_head, model_def))
     return start, step, head
@@ -329,7 +347,10 @@ class EMLLM:
     ``decode_attention`` (``inference.magicpig.MagicPIGDecode`` or ``TopKDecode``, MagicPIG, ICLR 2025): decode
     steps (one token) estimate the retrieved events and the buffer outside the window by LSH sampling or top-k,
     the keys hashed every step (the retrieved memory changes); init tokens (the sinks) and the local window stay
-    exact, as do prefill and ``verify`` chunks.
+    exact, as do prefill and ``verify`` chunks. ``estimates[layer]`` holds the last decode step's float32 ``[3]``:
+    the relative L2 error of the estimated attention output against exact attention at the same inputs (with
+    ``measure=True``, which computes both; else 0), the fraction of the estimated keys used (mean over heads) and
+    their number.
 
     The weights are read at construction and ``reset``; a stream fed after the model's weights changed in place
     (``nnx.update``) raises ValueError (its memory holds the old weights' KV), an empty stream takes the new ones.
@@ -340,7 +361,7 @@ class EMLLM:
     """
 
     def __init__(self, model: Transformer, cfg: EMLLMConfig, *, index_factory=None, diagnose: bool = False,
-                 decode_attention=None):
+                 decode_attention=None, measure: bool = False):
         mcfg = model.config
         if cfg.refinement is not None and cfg.refine_from_layer >= mcfg.num_layers:
             raise ValueError(f"refine_from_layer={cfg.refine_from_layer} must be < num_layers={mcfg.num_layers}")
@@ -357,7 +378,7 @@ class EMLLM:
         self._start, self._step, self._head = _compiled((graphdef, jax.tree.structure(state)),
                                             (layer_graphdef, jax.tree.structure(layer_state)), cfg.n_local,
                                             cfg.positions, cfg.memory, mcfg.attention_impl, diagnose,
-                                            decode_attention)
+                                            decode_attention, measure)
         self.decode_attention = decode_attention
         self._inv_freq = model.inv_freq
         self._index_factory = index_factory
@@ -389,6 +410,7 @@ class EMLLM:
         self._verified = 0      # tokens read by ``verify`` and not yet committed
         self.retrieved: list[list[int]] = [[] for _ in range(m.num_layers)]
         self.attention: list[tuple[np.ndarray, np.ndarray] | None] = [None] * m.num_layers
+        self.estimates: list = [None] * m.num_layers
 
     def device_buffers(self) -> dict[str, jax.Array]:
         """Every per-stream device array (their sizes do not depend on the stream length)."""
@@ -531,10 +553,12 @@ class EMLLM:
         dense = None if self.decode_attention is None else self.decode_attention.dense_layers
         for layer in range(num_layers):
             plan = self._plan_memory(layer, q_mean, n)
-            self.buffers[layer], last_weights, (x, q, k, v, q_mean) = self._step(
+            self.buffers[layer], last_weights, estimate, (x, q, k, v, q_mean) = self._step(
                 params.layers[layer], params.layers[(layer + 1) % num_layers], self.buffers[layer],
                 self.cache.k[layer], self.cache.v[layer], x, q, k, v, self._inv_freq, plan, start, np.int32(n),
                 init_len, np.bool_(dense is not None and layer in dense))
+            if self.decode_attention is not None and q_len == 1:
+                self.estimates[layer] = estimate
             if self.diagnose:
                 self.attention[layer] = (self._key_positions(layer, int(start), n), np.asarray(last_weights))
         logits = surprise = None
