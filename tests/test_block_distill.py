@@ -141,6 +141,17 @@ def test_feature_cache_hits_equal_and_a_changed_model_misses(tmp_path):
     t = target_positions(examples[0])[0]
     nxt = np.asarray(examples[0].prompt + list(examples[0].response))[t + 1]
     np.testing.assert_allclose(changed[0]["logp_full"], ref_full[t, nxt], atol=2e-5)
+    # training rows skip the block-mode pass: the same features but logp_block, which a later need recomputes
+    lean = DistillFeatures(model, 1, cache_dir=tmp_path / "lean")
+    rows = lean.compute(examples, progress=False, block_logp=False)
+    for a, b in zip(rows, changed):
+        assert np.isnan(a["logp_block"]).all()
+        for k in a:
+            if k != "logp_block":
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6)
+    again = DistillFeatures(model, 1, cache_dir=tmp_path / "lean")                # the lean rows come from files
+    for a, b in zip(again.compute(examples, progress=False), changed):
+        np.testing.assert_allclose(a["logp_block"], b["logp_block"], rtol=1e-6, atol=1e-6)
 
 
 def test_answer_loglik_sums_response_tokens_without_the_end_of_turn():

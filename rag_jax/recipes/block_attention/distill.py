@@ -120,18 +120,23 @@ def row_arrays(example: BlockExample, seq_len: int) -> dict[str, np.ndarray]:
     return {k: arrays[k] for k in ("tokens", "positions", "segment_ids")}
 
 
-@functools.partial(jax.jit, static_argnames=("bottom_def", "top_def"))
-def _features(bottom_def, bottom_state, top_def, top_state, tokens, positions, segment_ids, index, parts, tail_index):
+@functools.partial(jax.jit, static_argnames=("bottom_def", "top_def", "block_logp"))
+def _features(bottom_def, bottom_state, top_def, top_state, tokens, positions, segment_ids, index, parts, tail_index,
+              block_logp: bool = True):
     """One batch of rows -> (full_x ``[B, S, hidden]``, head_x, passage_x, tail_x (``block_parts`` shapes + hidden),
-    teacher_hidden ``[B, G, hidden]``, logp_full, logp_block ``[B, G]``), float32."""
+    teacher_hidden ``[B, G, hidden]``, logp_full, logp_block ``[B, G]``), float32; without ``block_logp`` the
+    top's block-mode pass is skipped and logp_block is NaN (training rows: the loss reads only the rest)."""
     bottom, top = nnx.merge(bottom_def, bottom_state), nnx.merge(top_def, top_state)
     full_x = bottom.residual(tokens, positions, segment_ids, mode="causal")
     block_x = prefix_block_residuals(bottom, parts)
     h_full = _at(top(tokens, positions, segment_ids, mode="causal", inputs_embeds=full_x).hidden, index)
-    h_block = _at(top.final_norm(prefix_block_residuals(top, parts, block_x)[2]), tail_index)
+    if block_logp:
+        h_block = _at(top.final_norm(prefix_block_residuals(top, parts, block_x)[2]), tail_index)
+        logp_block = _next_logp(top, h_block, parts["tail_tokens"], tail_index)
+    else:
+        logp_block = jnp.full(index.shape, jnp.nan, jnp.float32)
     f32 = (lambda x: x.astype(jnp.float32))
-    return (f32(full_x), *map(f32, block_x), f32(h_full), _next_logp(top, h_full, tokens, index),
-            _next_logp(top, h_block, parts["tail_tokens"], tail_index))
+    return (f32(full_x), *map(f32, block_x), f32(h_full), _next_logp(top, h_full, tokens, index), logp_block)
 
 
 def _at(hidden, index):
@@ -200,23 +205,24 @@ class DistillFeatures:
                               ).hexdigest()[:32]
 
     def compute(self, examples: Sequence[BlockExample], *, desc: str = "distillation features",
-                progress: bool = True) -> list[dict[str, np.ndarray]]:
+                progress: bool = True, block_logp: bool = True) -> list[dict[str, np.ndarray]]:
         """The features of every example (``FEATURE_KEYS``, float32: ``full_x`` ``[n, hidden]`` (causal),
         ``head_x`` / ``passage_x`` / ``tail_x`` ``[tokens, hidden]`` (block 0, the passages concatenated, the last
         block + response; ``prefix_block_residuals`` of the bottom), ``teacher_hidden`` ``[g, hidden]``,
         ``logp_full`` / ``logp_block`` ``[g]`` for the ``g`` targets of ``target_positions``; int32 ``prefix_len``),
-        computing the rows found neither in memory nor in ``cache_dir``."""
+        computing the rows found neither in memory nor in ``cache_dir``. ``block_logp=False`` (training rows)
+        skips the top's block-mode pass, ~45% of a row's compute with an all-layer top: ``logp_block`` is then NaN,
+        and a row cached that way is recomputed when a later call needs it."""
 
         todo = []
         for ex in examples:
             k = self.key(ex)
-            if k in self._rows:
-                continue
-            path = self._path(k)
-            if path is not None and path.is_file():
-                with np.load(path) as f:
-                    self._rows[k] = {name: f[name] for name in FEATURE_KEYS}
-            else:
+            if k not in self._rows:
+                path = self._path(k)
+                if path is not None and path.is_file():
+                    with np.load(path) as f:
+                        self._rows[k] = {name: f[name] for name in FEATURE_KEYS}
+            if k not in self._rows or (block_logp and np.isnan(self._rows[k]["logp_block"]).any()):
                 todo.append(ex)
         todo = list({self.key(ex): ex for ex in todo}.values())
         bottom_def, bottom_state = nnx.split(self.bottom)
@@ -237,7 +243,7 @@ class DistillFeatures:
                          for k, v in parts.items()}
                 out = [np.asarray(x) for x in _features(bottom_def, bottom_state, top_def, top_state,
                                                         batch["tokens"], batch["positions"], batch["segment_ids"],
-                                                        index, parts, tail_index)]
+                                                        index, parts, tail_index, block_logp)]
                 for i, ex in enumerate(chunk):
                     n, g_i = ex.num_tokens, len(target_positions(ex)[0])
                     lens = [len(b) for b in ex.blocks[1:-1]]
@@ -404,7 +410,7 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
     if (features.top_layers, features.prefix) != (cfg.top_layers, cfg.prefix):
         raise ValueError(f"features of top_layers={features.top_layers}, prefix={features.prefix!r} do not match "
                          f"the config's top_layers={cfg.top_layers}, prefix={cfg.prefix!r}")
-    feats = features.compute(examples, desc="distillation features (train)")
+    feats = features.compute(examples, desc="distillation features (train)", block_logp=False)
     shapes = part_shapes(examples, _PART_MULTIPLE)
     order = np.random.default_rng(cfg.seed).permutation(len(examples))
     full = cfg.full_weight > 0
