@@ -16,7 +16,7 @@ depths ``(i + 0.5) / samples``) the prompt is prefilled once (exact attention) a
    middle key's collision count; ``magicpig`` module doc), so this is its cost in this implementation, not the
    reference's host-memory bucket lookup.
 
-The first reply token comes from the exact prefill; MagicPIG and TopK act from the second on.
+Over the plain cache the first reply token comes from the exact prefill; MagicPIG and TopK act from the second on.
 
 ``--base em_llm`` (SmolLM2-135M was trained to 8,192 tokens; longer prompts need EM-LLM's memory): the policies
 estimate EM-LLM's retrieved events and out-of-window buffer at each decode step (``memory.EMLLM(...,

@@ -23,8 +23,8 @@ time; the target verifies a whole round in one decode call of ``gamma + 1`` toke
 of the last round, which it has not read yet, and the drafts), as speculative decoding needs to pay: one read of
 the target's weights and long KV cache per round instead of per token. The target may also be a streaming
 long-context model (``memory.EMLLM``, for inputs beyond the model's context): it reads each round with
-``EMLLM.verify`` (one chunk, one retrieval) and keeps the accepted prefix with ``EMLLM.commit``. ``decode_bytes`` gives the bytes each
-decode step reads, from which the context length where speculation can pay is computed.
+``EMLLM.verify`` (one chunk, one retrieval) and keeps the accepted prefix with ``EMLLM.commit``.
+``decode_bytes`` gives the bytes each decode step reads, from which the context length where speculation can pay is computed.
 """
 from __future__ import annotations
 

@@ -140,8 +140,8 @@ def _attend(layer, n_local: int, positions: str, use_memory: bool, impl: str, di
     ``slot + n_local <= query slot``). With a ``sampler`` (``EMLLM``'s ``decode_attention``) a decode step
     (one query) estimates the retrieved events and the buffer outside the window by it (``_sampled_joint``)
     unless ``dense_layer``; init tokens and the window stay exact; with ``measure`` exact attention is computed
-    beside it (the layer continues with the estimate) for the error. Returns the layer output, the updated buffers (the
-    local keys' attention mass summed over the valid queries added to ``recent_score``, note §4.2), with
+    beside it (the layer continues with the estimate) for the error. Returns the layer output, the updated buffers
+    (the local keys' attention mass summed over the valid queries added to ``recent_score``, note §4.2), with
     ``diagnose`` the last valid query's weights float32 ``[num_heads, sum(kv_len_i)]`` (else None), and float32
     ``[3]``: the estimate's relative L2 error against exact attention (mean over heads; 0 unless ``measure``),
     the fraction of the estimated keys it used (1 where nothing is estimated) and their number.
@@ -234,15 +234,15 @@ def _start(model_def, layer_def, n_local, model_leaves, layer_leaves, tokens, n_
     return (x, *_project(_merge(layer_def, layer_leaves), x, n_valid, n_local, inv_freq))
 
 
-def _step(layer_def, n_local, positions, use_memory, impl, diagnose, sampler, measure, layer_leaves, next_leaves, buf, cache_k,
-          cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len, dense_layer):
+def _step(layer_def, n_local, positions, use_memory, impl, diagnose, sampler, measure, layer_leaves, next_leaves, buf,
+          cache_k, cache_v, x, q, k, v, inv_freq, plan, start, n_valid, init_len, dense_layer):
     """``_attend`` for one layer, then under the same jit the next layer's projection (``next_leaves``; the last
     layer projects with any layer's leaves and the result is dropped: one compiled shape for every layer):
-    ``(buf, last_weights, estimate, (x, q, k, v, q_mean))``. One dispatch and one host round trip (the retrieval query) per
-    layer."""
+    ``(buf, last_weights, estimate, (x, q, k, v, q_mean))``. One dispatch and one host round trip (the retrieval
+    query) per layer."""
     x, buf, last_weights, estimate = _attend(_merge(layer_def, layer_leaves), n_local, positions, use_memory, impl,
-                                             diagnose, sampler, measure, buf, cache_k, cache_v, x, q, k, v, inv_freq, plan, start, n_valid,
-                                   init_len, dense_layer)
+                                             diagnose, sampler, measure, buf, cache_k, cache_v, x, q, k, v, inv_freq,
+                                             plan, start, n_valid, init_len, dense_layer)
     return buf, last_weights, estimate, (x, *_project(_merge(layer_def, next_leaves), x, n_valid, n_local, inv_freq))
 
 
