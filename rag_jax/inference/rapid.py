@@ -24,7 +24,8 @@ of the last round, which it has not read yet, and the drafts), as speculative de
 the target's weights and long KV cache per round instead of per token. The target may also be a streaming
 long-context model (``memory.EMLLM``, for inputs beyond the model's context): it reads each round with
 ``EMLLM.verify`` (one chunk, one retrieval) and keeps the accepted prefix with ``EMLLM.commit``.
-``decode_bytes`` gives the bytes each decode step reads, from which the context length where speculation can pay is computed.
+``decode_bytes`` gives the bytes each decode step reads, from which the context length where speculation can pay
+is computed.
 """
 from __future__ import annotations
 
