@@ -219,7 +219,7 @@ def _sampled_joint(sampler, dense_layer, groups, middle):
         values.append(jnp.swapaxes(v, 1, 2))
     kept = jnp.sum(middle[:, None, None, :] & (logits[1] > MASK_VALUE / 2), -1)
     count = jnp.sum(middle)
-    used = jnp.mean(kept / jnp.maximum(count, 1))
+    used = jnp.sum(kept) / (kept.size * jnp.maximum(count, 1))    # one division: exactly 1 when all are kept
     joint = jnp.concatenate(logits, -1)                                       # [1, kvh, g, keys]
     lse = jax.nn.logsumexp(joint, axis=-1)
     w = jnp.exp(joint - lse[..., None])
