@@ -193,6 +193,36 @@ def test_distill_trains_the_top_only_and_exports_a_loadable_model(tmp_path):
         distill(base, examples, DistillConfig(top_layers=1, seq_len=4), tmp_path / "other")
 
 
+def test_distill_with_lora_changes_the_top_weights_by_rank_r_only(tmp_path):
+    """``lora_rank``: the adapters are trained and folded in, so each top weight moves by a matrix of rank <= r
+    (its singular values past r vanish), vectors (norms) and the bottom stay bit-identical."""
+    rng = np.random.default_rng()
+    base = LoadedModel(CFG, _model(int(rng.integers(1 << 20))), "LlamaForCausalLM", byte_tokenizer(), TEMPLATE,
+                       (10,), {"eos_token": "\n"}, Path("tiny-chat"))
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(base.model, nnx.Param)))
+    cfg = DistillConfig(top_layers=2, steps=3, batch_size=8, seq_len=48, max_targets=16, learning_rate=1e-2,
+                        warmup_steps=0, save_every=3, lora_rank=2)
+    tuned, result = distill(base, _examples(rng, 6), cfg, tmp_path / "run")
+    assert result.step == 3 and tuned.config.lora_rank == 0
+    assert abs(result.history[0]["kl_full"]) < 1e-5 and result.history[-1]["kl_block"] < result.history[0]["kl_block"]
+    after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(tuned, nnx.Param)))
+    for i in range(CFG.num_layers):
+        for part, names in (("attn", ("wq", "wk", "wv", "wo")), ("mlp", ("gate", "up", "down"))):
+            for name in names:
+                w0, w1 = before["layers"][i][part][name], after["layers"][i][part][name]
+                d = w1.astype(np.float64) - w0
+                d = d.reshape(-1, d.shape[-1]) if name == "wo" else d.reshape(d.shape[0], -1)   # [in, out]
+                s = np.linalg.svd(d, compute_uv=False)
+                if i < 2:
+                    assert not s.any(), (i, name)
+                else:
+                    assert s[1] > 1e-6 and s[2] < 1e-5 * s[0], (i, name, s[:4])
+        assert np.array_equal(before["layers"][i]["input_norm"]["scale"], after["layers"][i]["input_norm"]["scale"])
+    assert np.array_equal(before["final_norm"]["scale"], after["final_norm"]["scale"])
+    with pytest.raises(ValueError, match="lora_rank=-1"):
+        DistillConfig(lora_rank=-1)
+
+
 def test_distill_config_and_untied_models_are_rejected_up_front():
     with pytest.raises(ValueError, match="full_weight=-1"):
         DistillConfig(full_weight=-1)

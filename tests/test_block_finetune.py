@@ -120,6 +120,33 @@ def test_finetune_writes_a_run_folder_that_loads_and_resumes(tmp_path):
         finetune(base, examples, dataclasses.replace(cfg, seq_len=4), tmp_path / "other")
 
 
+def test_finetune_with_lora_trains_the_top_adapters_and_loads_back(tmp_path):
+    """``lora_rank``: only the adapters of the top ``train_layers`` move (every base parameter bit-identical);
+    the run folder loads with them and gives the trained model's logits; the delta folds them exactly."""
+    from rag_jax.model.delta import low_rank_delta, relative_error
+    from rag_jax.train.finetune import top_adapters
+    base = _tiny_chat_model(int(np.random.default_rng().integers(1 << 30)))
+    cfg = FinetuneConfig(steps=3, batch_size=4, seq_len=48, train_layers=1, learning_rate=1e-2, warmup_steps=0,
+                         save_every=3, lora_rank=2)
+    base_params = _leaves(nnx.state(base.model, nnx.Param))
+    result = finetune(base, _examples(2, n=8), cfg, tmp_path / "run")
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
+    tuned = load_model(tmp_path / "run")
+    assert tuned.config.lora_rank == 2
+    params = _leaves(nnx.state(tuned.model, nnx.Param))
+    assert params.keys() - base_params.keys() == {k for k in params if "/lora_" in k}
+    for k, v in params.items():
+        if k in base_params:
+            assert np.array_equal(v, base_params[k]), k                 # weights, norms, embedding frozen
+        elif k.endswith("lora_b"):
+            assert v.any() == k.startswith("layers/2/"), k              # only the top layer's adapters trained
+    delta = low_rank_delta(base.model, tuned.model, 2)
+    assert {k.split("/")[1] for k in delta} == {"2"} and max(relative_error(base.model, tuned.model, delta).values()) < 1e-5
+    assert top_adapters(3, 0).startswith("/lora_") and top_adapters(3, 1).startswith("^layers/(2)/")
+    with pytest.raises(ValueError, match="lora_rank=-1"):
+        FinetuneConfig(lora_rank=-1)
+
+
 def test_nq_training_rows_fill_seq_len_with_ranked_negatives():
     from types import SimpleNamespace
 

@@ -14,6 +14,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "splash")
 Precision = Literal["fp32", "bf16", "bf16_pure"]
 PRECISIONS = ("fp32", "bf16", "bf16_pure")
+# Projections a LoRA adapter can wrap (``ModelConfig.lora_targets``): attention q/k/v/o and the SwiGLU MLP's three.
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
 
 
 class _HashableDict(dict):
@@ -53,6 +55,10 @@ class ModelConfig:
       attention_impl: ``"auto" | "dense" | "blockwise" | "cudnn" | "splash"`` (``model.attention``):
         ``auto`` picks cuDNN on GPU, splash on TPU, dense or blockwise on CPU by length; ``dense`` is
         the reference. Not part of the architecture (``fingerprint`` ignores it).
+      lora_rank: rank of the LoRA adapters (Hu et al., ICLR 2022; ``flax.nnx.LoRA``) added beside the
+        ``lora_targets`` projections of every layer (``y = x W + x A B``, ``A [in, r]``, ``B [r, out]`` zero at
+        init so the model starts as its base); 0 = none. ``model.lora.add_lora`` / ``merge_lora`` convert.
+      lora_targets: which projections carry adapters, a subset of ``LORA_TARGETS``.
       scan_layers: store the decoder layers stacked (every parameter gains a leading ``layers`` axis) and run
         them with one ``jax.lax.scan`` per run of layers sharing a sliding window, so compile time and program
         size stay flat in depth (MaxText's ``scan_layers``; research note jax_frameworks.md). Same values as
@@ -81,6 +87,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     attention_impl: str = "auto"
     scan_layers: bool = False
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -105,6 +113,13 @@ class ModelConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r} is not supported; "
                              f"valid: {ATTENTION_IMPLS}")
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise ValueError(f"ModelConfig.lora_rank={self.lora_rank!r} must be an integer >= 0 (0 = no adapters)")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if bad or not self.lora_targets:
+            raise ValueError(f"ModelConfig.lora_targets={list(self.lora_targets)} must be a non-empty subset of "
+                             f"{list(LORA_TARGETS)}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"ModelConfig.scan_layers={self.scan_layers!r} must be true or false")
         if self.rope_theta <= 0:
@@ -151,7 +166,8 @@ class ModelConfig:
 
     def fingerprint(self) -> str:
         """A stable string identifying the architecture (for cache keys)."""
-        arch = {k: v for k, v in self.to_dict().items() if k not in ("attention_impl", "scan_layers")}
+        skip = ("attention_impl", "scan_layers") + (() if self.lora_rank else ("lora_rank", "lora_targets"))
+        arch = {k: v for k, v in self.to_dict().items() if k not in skip}  # without adapters: as before they existed
         return repr(sorted(arch.items()))
 
     @classmethod

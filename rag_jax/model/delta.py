@@ -24,12 +24,14 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save
 
 from rag_jax.atomic import write_bytes
+from rag_jax.model.lora import merge_lora
 from rag_jax.model.transformer import to_scanned, to_unrolled
 
 
 def _flat(model) -> dict[str, np.ndarray]:
-    """Parameters by path, one entry per layer (``layers/3/mlp/up``) also for a scanned model."""
-    flat = nnx.to_flat_state(nnx.state(to_unrolled(model), nnx.Param))
+    """Parameters by path, one entry per layer (``layers/3/mlp/up``) also for a scanned model; LoRA adapters
+    folded into their weights (``lora.merge_lora``: a LoRA-tuned model's delta is exact at the adapters' rank)."""
+    flat = nnx.to_flat_state(nnx.state(to_unrolled(merge_lora(model)), nnx.Param))
     return {"/".join(map(str, path)): np.asarray(v.get_value(), np.float32)
             for path, v in flat}
 

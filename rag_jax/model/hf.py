@@ -23,6 +23,7 @@ from safetensors.flax import save_file
 from rag_jax.atomic import recover, replace_directory
 from rag_jax.file_errors import naming, one_line
 from rag_jax.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
+from rag_jax.model.lora import merge_lora
 from rag_jax.model.transformer import Transformer, to_scanned, to_unrolled
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -353,11 +354,13 @@ def save_hf(model: Transformer, path: str | os.PathLike, arch: str = "LlamaForCa
     ``rag_jax.atomic.replace_directory`` rules: an earlier export at ``path`` is replaced; a folder with
     other files (or another rag_jax artifact unless ``overwrite``) raises ``TargetExistsError``.
 
+    LoRA adapters (``ModelConfig.lora_rank``) are folded into their weights (``lora.merge_lora``).
+
     Tensors larger than ``max_shard_bytes`` in total are split across ``model-0000i-of-0000n.safetensors``
     files with a ``model.safetensors.index.json``. Raises ValueError for unsupported ``arch``.
     """
     _check_arch(arch)
-    model = to_unrolled(model)
+    model = merge_lora(to_unrolled(model))     # HF folders hold plain weights: adapters are folded in
     cfg = model.config
     path = Path(path)
     table = _tensor_map(cfg)

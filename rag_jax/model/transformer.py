@@ -45,6 +45,28 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init="normal") -> nnx.Para
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+def _lora(cfg: ModelConfig, rngs: nnx.Rngs, name: str, in_features: int, out_features: int,
+          in_axis: str | None) -> nnx.LoRA | None:
+    """The ``nnx.LoRA`` adapter of projection ``name`` (``x [..., in] -> x @ lora_a @ lora_b [..., out]``;
+    ``lora_a`` He-uniform, ``lora_b`` zeros: a new adapter changes nothing), or None where the config has none.
+    Computed in the compute dtype; ``lora_a`` shards its input axis as the projection does, ``lora_b`` is
+    replicated (it is small)."""
+    if not cfg.lora_rank or name not in cfg.lora_targets:
+        return None
+    return nnx.LoRA(in_features, cfg.lora_rank, out_features, dtype=cfg.compute_dtype,
+                    param_dtype=cfg.weight_dtype, rngs=rngs,
+                    a_metadata={"out_sharding": (in_axis, None), "eager_sharding": False},
+                    b_metadata={"out_sharding": (None, None), "eager_sharding": False})
+
+
+def _adapted(lora: nnx.LoRA | None, x, y):
+    """``y`` (a projection of ``x``) plus the adapter's ``lora(x)``, reshaped to ``y``'s shape."""
+    if lora is None:
+        return y
+    flat = x.reshape(*x.shape[:2], -1)
+    return y + lora(flat).reshape(y.shape).astype(y.dtype)
+
+
 class RMSNorm(nnx.Module):
     """``x / rms(x) * scale`` with the statistics in float32 (as HF Llama)."""
 
@@ -74,20 +96,26 @@ class Attention(nnx.Module):
         if cfg.out_bias:
             self.bo = _param(None, (h,), ("embed",), pd, init="zeros")
         self.qkv_bias, self.out_bias = cfg.qkv_bias, cfg.out_bias
+        nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.lora_wq = _lora(cfg, rngs, "wq", h, nq, "embed")
+        self.lora_wk = _lora(cfg, rngs, "wk", h, nkv, "embed")
+        self.lora_wv = _lora(cfg, rngs, "wv", h, nkv, "embed")
+        self.lora_wo = _lora(cfg, rngs, "wo", nq, h, None)
 
     def project_qkv(self, x):
         """x ``[b, s, hidden]`` -> pre-RoPE q ``[b, s, num_heads, head_dim]``, k/v ``[b, s, num_kv_heads, head_dim]``."""
         dt = x.dtype
-        q = jnp.einsum("bsh,hnd->bsnd", x, self.wq[...].astype(dt))
-        k = jnp.einsum("bsh,hnd->bsnd", x, self.wk[...].astype(dt))
-        v = jnp.einsum("bsh,hnd->bsnd", x, self.wv[...].astype(dt))
+        q = _adapted(self.lora_wq, x, jnp.einsum("bsh,hnd->bsnd", x, self.wq[...].astype(dt)))
+        k = _adapted(self.lora_wk, x, jnp.einsum("bsh,hnd->bsnd", x, self.wk[...].astype(dt)))
+        v = _adapted(self.lora_wv, x, jnp.einsum("bsh,hnd->bsnd", x, self.wv[...].astype(dt)))
         if self.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         return tuple(checkpoint_name(t, "qkv_proj") for t in (q, k, v))
 
     def output(self, attn_out):
         """``[b, s, num_heads, head_dim]`` -> ``[b, s, hidden]``."""
-        out = jnp.einsum("bsnd,ndh->bsh", attn_out, self.wo[...].astype(attn_out.dtype))
+        out = _adapted(self.lora_wo, attn_out, jnp.einsum("bsnd,ndh->bsh", attn_out,
+                                                           self.wo[...].astype(attn_out.dtype)))
         return checkpoint_name(out + self.bo[...].astype(out.dtype) if self.out_bias else out, "out_proj")
 
 
@@ -104,6 +132,9 @@ class MLP(nnx.Module):
             self.up_bias = _param(None, (m,), ("mlp",), pd, init="zeros")
             self.down_bias = _param(None, (h,), ("embed",), pd, init="zeros")
         self.mlp_bias = cfg.mlp_bias
+        self.lora_gate = _lora(cfg, rngs, "gate", h, m, "embed")
+        self.lora_up = _lora(cfg, rngs, "up", h, m, "embed")
+        self.lora_down = _lora(cfg, rngs, "down", m, h, "mlp")
 
     def __call__(self, x):
         """``x [b, s, hidden]`` -> ``[b, s, hidden]``; sequences longer than ``MLP_CHUNK`` tokens run in chunks
@@ -117,9 +148,10 @@ class MLP(nnx.Module):
     def _swiglu(self, x):
         dt = x.dtype
         bias = (lambda name: getattr(self, name)[...].astype(dt)) if self.mlp_bias else (lambda name: 0)
-        g = checkpoint_name(x @ self.gate[...].astype(dt) + bias("gate_bias"), "mlpwi")
-        u = checkpoint_name(x @ self.up[...].astype(dt) + bias("up_bias"), "mlpwi")
-        return (jax.nn.silu(g) * u) @ self.down[...].astype(dt) + bias("down_bias")
+        g = checkpoint_name(_adapted(self.lora_gate, x, x @ self.gate[...].astype(dt)) + bias("gate_bias"), "mlpwi")
+        u = checkpoint_name(_adapted(self.lora_up, x, x @ self.up[...].astype(dt)) + bias("up_bias"), "mlpwi")
+        hidden = jax.nn.silu(g) * u
+        return _adapted(self.lora_down, hidden, hidden @ self.down[...].astype(dt)) + bias("down_bias")
 
 
 class DecoderLayer(nnx.Module):

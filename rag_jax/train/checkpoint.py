@@ -71,6 +71,8 @@ def run_fingerprint(run_cfg) -> dict:
     """What makes a resumed run the same run: ``{"model", "data", "seed", "objective"}`` as plain values
     (``run_cfg``: a RunConfig, or anything with ``.model``, ``.data`` and ``.train.seed/.objective``)."""
     model = {k: v for k, v in to_dict(run_cfg.model).items() if k != "attention_impl"}  # a kernel, not the model
+    if not model.get("lora_rank"):            # no adapters: the fingerprint of runs from before they existed
+        model = {k: v for k, v in model.items() if k not in ("lora_rank", "lora_targets")}
     return json.loads(json.dumps({"model": model, "data": to_dict(run_cfg.data),
                                   "seed": run_cfg.train.seed, "objective": run_cfg.train.objective}))
 

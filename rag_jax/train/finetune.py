@@ -25,6 +25,7 @@ import numpy as np
 from rag_jax.data.block_rag import BlockExample, collate, mixed_batch
 from rag_jax.data.pipeline import DataConfig
 from rag_jax.model.load import chat_section
+from rag_jax.model.lora import LORA_TRAINABLE, add_lora
 from rag_jax.train import checkpoint, optim, trainer
 from rag_jax.train.objectives.block import MixedBlockLoss
 
@@ -40,6 +41,9 @@ class FinetuneConfig:
       modes: ``"full+block"`` (Block-Attention's 1:1 mix) or ``"full"`` (full attention only).
       seq_len: row length in tokens (every example must fit; one compiled shape).
       train_layers: top decoder layers trained, with the final norm; 0 = every parameter.
+      lora_rank: 0 trains those parameters; ``r`` trains rank-``r`` LoRA adapters (``model.lora``) on every
+        projection of those layers instead (weights, norms and embedding frozen); the run folder's model carries
+        the adapters (``load_model`` applies them; ``model.delta`` / HF export fold them in).
       learning_rate, warmup_steps: AdamW peak rate (cosine decay to 10%) and linear warmup; no weight decay.
       seed: example order.
       save_every: checkpoint interval in steps (the last step is always saved).
@@ -56,6 +60,7 @@ class FinetuneConfig:
     save_every: int = 50
     log_every: int = 1
     modes: str = "full+block"
+    lora_rank: int = 0
 
     def __post_init__(self):
         if self.modes not in MODES:
@@ -65,6 +70,8 @@ class FinetuneConfig:
                 raise ValueError(f"finetune {name}={getattr(self, name)} must be >= 1")
         if self.train_layers < 0:
             raise ValueError(f"finetune train_layers={self.train_layers} must be >= 0 (0 = all parameters)")
+        if self.lora_rank < 0:
+            raise ValueError(f"finetune lora_rank={self.lora_rank} must be >= 0 (0 = train the weights)")
 
 
 def top_layers(num_layers: int, n: int) -> str | None:
@@ -75,6 +82,15 @@ def top_layers(num_layers: int, n: int) -> str | None:
     if n == 0:
         return None
     return f"^(layers/({'|'.join(str(i) for i in range(num_layers - n, num_layers))})/|final_norm/)"
+
+
+def top_adapters(num_layers: int, n: int) -> str:
+    """``optimizer.trainable`` regex of the LoRA adapters of the top ``n`` of ``num_layers`` layers (all layers'
+    for ``n == 0``). Raises ValueError unless ``0 <= n <= num_layers``."""
+    layers = top_layers(num_layers, n)
+    if layers is None:
+        return LORA_TRAINABLE
+    return f"^layers/({'|'.join(str(i) for i in range(num_layers - n, num_layers))})/.*{LORA_TRAINABLE}"
 
 
 def finetune(loaded, examples: Sequence[BlockExample], cfg: FinetuneConfig, run_dir: str | os.PathLike, *,
@@ -120,11 +136,12 @@ def finetune(loaded, examples: Sequence[BlockExample], cfg: FinetuneConfig, run_
         full = collate([examples[i] for i in idx], cfg.seq_len)
         return {**full, "is_global": full["segment_ids"] > 0}
 
+    model = add_lora(loaded.model, cfg.lora_rank, seed=cfg.seed) if cfg.lora_rank else loaded.model
+    trainable = (top_adapters if cfg.lora_rank else top_layers)(loaded.config.num_layers, cfg.train_layers)
     run_cfg = trainer.RunConfig(
-        model=loaded.config, data=DataConfig(seq_len=cfg.seq_len),
+        model=model.config, data=DataConfig(seq_len=cfg.seq_len),
         optimizer=optim.OptimizerConfig(learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-                                        weight_decay=0.0, trainable=top_layers(loaded.config.num_layers,
-                                                                               cfg.train_layers)),
+                                        weight_decay=0.0, trainable=trainable),
         train=trainer.TrainConfig(steps=cfg.steps, global_batch_size=rows, seed=cfg.seed,
                                   log_every=cfg.log_every, run_dir=str(run_dir)),
         checkpoint=checkpoint.CheckpointConfig(save_every=cfg.save_every, keep=1))
@@ -132,5 +149,5 @@ def finetune(loaded, examples: Sequence[BlockExample], cfg: FinetuneConfig, run_
     task = trainer.Task(MixedBlockLoss(response_window=window), batch, name=name,
                         tokenizer=loaded.tokenizer, progress_keys=("loss_full", "loss_block"))
     extra = {"chat": chat_section(loaded), "finetune": dataclasses.asdict(cfg), **(extra_config or {})}
-    return trainer.run(run_cfg, task, init_params=nnx.state(loaded.model, nnx.Param), hooks=hooks,
+    return trainer.run(run_cfg, task, init_params=nnx.state(model, nnx.Param), hooks=hooks,
                        extra_config=extra)

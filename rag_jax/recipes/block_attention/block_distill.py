@@ -112,6 +112,9 @@ def main(argv=None) -> int:
                    help="weight of the full-attention pass's KL (0 = block pass only)")
     p.add_argument("--remat", choices=REMAT_POLICIES, default=d.remat_policy,
                    help="rematerialization of the trained top (dots / full: less memory for a deep top, more compute)")
+    p.add_argument("--lora-rank", type=integer(0), default=d.lora_rank,
+                   help="train rank-R LoRA adapters (flax nnx.LoRA) on every projection of the top layers instead of "
+                        "their weights (frozen weights: no weight gradients or optimizer state); 0 = the weights")
     p.add_argument("--seq-len", type=integer(16), default=None, help="training row length (default: longest row)")
     p.add_argument("--prefix", type=names(PREFIXES[1:]), default=[],
                    help="training-free rows, comma-separated: sink (every passage block sees block 0's first token), "
@@ -244,7 +247,8 @@ def main(argv=None) -> int:
                             seq_len=-(-seq_len // 64) * 64,
                             max_targets=-(-max(len(target_positions(r)[0]) for r in train_rows) // 16) * 16,
                             full_weight=args.full_weight, learning_rate=args.lr, warmup_steps=args.warmup,
-                            seed=args.seed, save_every=max(1, min(25, args.steps)), remat_policy=args.remat)
+                            seed=args.seed, save_every=max(1, min(25, args.steps)), remat_policy=args.remat,
+                            lora_rank=args.lora_rank)
         recipe = {"model": str(args.model), "data": str(args.data), "heldout": args.heldout, "seed": args.seed,
                   "train_rows": args.train_rows, "train_passages": train_passages, **dataclasses.asdict(cfg),
                   **({"train_max_passage": args.train_max_passage} if args.train_max_passage else {}),

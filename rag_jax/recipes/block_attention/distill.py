@@ -45,6 +45,7 @@ from rag_jax.inference.block_prefix import (block_parts, bucket_length, part_sha
                                             prefix_length)
 from rag_jax.inference.kv_store import model_fingerprint
 from rag_jax.model.hf import save_hf
+from rag_jax.model.lora import LORA_TRAINABLE, add_lora, merge_lora
 from rag_jax.model.transformer import REMAT_POLICIES
 from rag_jax.progress import progress_bar
 from rag_jax.train import checkpoint, optim, trainer
@@ -71,6 +72,9 @@ class DistillConfig:
       save_every: checkpoint interval in steps (the last step is always saved).
       remat_policy: ``trainer.TrainConfig.remat_policy`` of the top (``"dots"`` or ``"full"`` bound the saved
         activations of a deep top: 29 layers x 4 rows x 960 tokens, both passes, need ~23 GB without).
+      lora_rank: 0 trains the top layers' weights and final norm; ``r`` trains rank-``r`` LoRA adapters on every
+        projection of the top layers instead (``model.lora``; the weights frozen: no weight gradients, no
+        optimizer state for them), folded into the weights at the end (the issue's "LoRA vs top layers").
     """
 
     top_layers: int = 8
@@ -85,11 +89,14 @@ class DistillConfig:
     seed: int = 0
     save_every: int = 25
     remat_policy: str = "none"
+    lora_rank: int = 0
 
     def __post_init__(self):
         for name in ("top_layers", "steps", "batch_size", "seq_len", "max_targets", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"distill {name}={getattr(self, name)} must be >= 1")
+        if self.lora_rank < 0:
+            raise ValueError(f"distill lora_rank={self.lora_rank} must be >= 0 (0 = train the weights)")
         if not self.full_weight >= 0:
             raise ValueError(f"distill full_weight={self.full_weight} must be >= 0")
         prefix_length(self.prefix, 1)
@@ -420,11 +427,12 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
         return distill_batch([examples[i] for i in idx], [feats[i] for i in idx], cfg.seq_len, cfg.max_targets,
                              shapes, full=full)
 
-    top = features.top
+    top = add_lora(features.top, cfg.lora_rank, seed=cfg.seed) if cfg.lora_rank else features.top
     run_cfg = trainer.RunConfig(
         model=top.config, data=DataConfig(seq_len=cfg.seq_len),
         optimizer=optim.OptimizerConfig(learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-                                        weight_decay=0.0, trainable=TOP_TRAINABLE),
+                                        weight_decay=0.0,
+                                        trainable=LORA_TRAINABLE if cfg.lora_rank else TOP_TRAINABLE),
         train=trainer.TrainConfig(steps=cfg.steps, global_batch_size=cfg.batch_size, seed=cfg.seed, log_every=1,
                                   run_dir=str(run_dir), remat_policy=cfg.remat_policy),
         checkpoint=checkpoint.CheckpointConfig(save_every=cfg.save_every, keep=1),
@@ -433,7 +441,8 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
                         progress_keys=("kl_block", "kl_full"))
     extra = {"distill": dataclasses.asdict(cfg), "base_fingerprint": features.fingerprint, **(extra_config or {})}
     result = trainer.run(run_cfg, task, init_params=nnx.state(top, nnx.Param), hooks=hooks, extra_config=extra)
-    return merge_top(loaded.model, result.state.params), result
+    trained = merge_lora(nnx.merge(result.graphdef, result.state.params))
+    return merge_top(loaded.model, nnx.state(trained, nnx.Param)), result
 
 
 def export_hf(loaded, model, path: str | os.PathLike, *, prefix: str = "none") -> Path:

@@ -77,7 +77,8 @@ def train(loaded, args, dicts, variants):
     seq_len = -(-max(r.num_tokens for r in rows) // 64) * 64
     cfg = FinetuneConfig(steps=args.steps, batch_size=args.batch_size, seq_len=seq_len,
                          train_layers=args.top_layers, learning_rate=args.lr, warmup_steps=args.warmup,
-                         save_every=max(1, min(20, args.steps)), modes="full")
+                         save_every=max(1, min(20, args.steps)), modes="full",
+                         lora_rank=args.lora_rank)
     recipe = {"model": str(args.model), "dicts": list(dicts), "variants": list(variants),
               "train_rows": args.train_rows, "train_template": args.train_template,
               "finetune": dataclasses.asdict(cfg)}
@@ -113,6 +114,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=integer(0), default=0, help="fine-tuning steps; 0 = no training")
     p.add_argument("--batch-size", type=integer(1), default=4)
     p.add_argument("--top-layers", type=integer(0), default=8, help="top layers trained (0 = all)")
+    p.add_argument("--lora-rank", type=integer(0), default=0,
+                   help="train rank-R LoRA adapters (flax nnx.LoRA) on the top layers' projections instead of "
+                        "their weights; 0 = the weights")
     p.add_argument("--lr", type=real(0, lo_open=True), default=1e-4)
     p.add_argument("--warmup", type=integer(0), default=5)
     p.add_argument("--delta-rank", type=integer(0), default=32, help="rank of the written delta; 0 = none")

@@ -153,6 +153,9 @@ def parser() -> ScriptParser:
     p.add_argument("--steps", type=integer(0), default=100)
     p.add_argument("--batch-size", type=integer(1), default=4)
     p.add_argument("--top-layers", type=integer(0), default=8)
+    p.add_argument("--lora-rank", type=integer(0), default=0,
+                   help="train rank-R LoRA adapters (flax nnx.LoRA) on the top layers' projections instead of "
+                        "their weights; 0 = the weights")
     p.add_argument("--lr", type=real(0, lo_open=True), default=2e-4)
     p.add_argument("--warmup", type=integer(0), default=5)
     p.add_argument("--keep", type=int_list(1), default=[1, 2, 3, 5], help="caches kept (m) for the top-m rows")
@@ -193,7 +196,8 @@ def main(argv=None) -> int:
         examples = fits
         cfg = FinetuneConfig(steps=args.steps, batch_size=args.batch_size, train_layers=args.top_layers,
                              learning_rate=args.lr, warmup_steps=args.warmup, seed=args.seed,
-                             seq_len=max(e.num_tokens for e in examples), save_every=max(args.steps // 4, 1))
+                             seq_len=max(e.num_tokens for e in examples), save_every=max(args.steps // 4, 1),
+                             lora_rank=args.lora_rank)
         t0 = time.perf_counter()
         finetune(loaded, examples, cfg, args.out / "run")
         loaded = load_model(str(args.out / "run"))
