@@ -211,6 +211,7 @@ BAD_SCRIPT_INPUT = [
     ("bench", "magicpig", ["--lsh", "10:150", "0:4"], "--lsh"),
     ("bench", "magicpig", ["--lengths", "4096,100"], "--lengths"),
     ("bench", "magicpig", ["--samples", "0"], "--samples"),
+    ("bench", "magicpig", ["--gather", "-1"], "--gather"),
     ("bench", "magicpig", ["--base", "paged"], "--base"),
     ("bench", "magicpig", ["--base", "em_llm", "--set", "n_mem=-4"], "n_mem"),
     ("bench", "magicpig", ["--model", "no-such-model"], "--model"),

@@ -189,7 +189,55 @@ def test_generate_with_decode_attention():
         budget=1, dense_layers=every_layer_dense)), plain)
 
 
+def test_bucket_tables_hold_each_slot_in_its_bucket_once():
+    rng = np.random.default_rng()
+    bits = int(rng.integers(1, 5))
+    codes = rng.integers(0, 2 ** bits, (2, 3, 40, 5)).astype(np.int32)
+    order, offsets = (np.asarray(x) for x in magicpig.bucket_tables(jnp.asarray(codes), bits))
+    for b, h, t in np.ndindex(2, 3, 5):
+        assert offsets[b, h, t, 0] == 0 and offsets[b, h, t, -1] == 40
+        for c in range(2 ** bits):
+            got = order[b, h, t, offsets[b, h, t, c]:offsets[b, h, t, c + 1]]
+            np.testing.assert_array_equal(got, np.flatnonzero(codes[b, h, :, t] == c))   # slot order kept
+
+
+def test_compact_takes_the_first_true_slots_in_order():
+    keep = np.random.default_rng().random((6, 30)) < 0.3
+    for size in (1, 4, 30):
+        idx, ok = (np.asarray(x) for x in magicpig._compact(jnp.asarray(keep), size))
+        for r in range(6):
+            want = np.flatnonzero(keep[r])[:size]
+            np.testing.assert_array_equal(idx[r][ok[r]], want)
+            assert ok[r].sum() == len(want) and not ok[r][len(want):].any()
+
+
+def test_gathered_sampling_equals_the_dense_evaluation_when_nothing_is_cut():
+    """Bucket tables with capacities at the cache length: the same sampled keys and weights as the dense
+    evaluation (ragged rows, padding, sinks and window), so the same output; in generation the same tokens.
+    Capacities below the largest bucket / sample change the estimate (keys are left out)."""
+    rng = np.random.default_rng()
+    q, cache, mask, filled = _case(rng, b=2, length=64, filled=int(rng.integers(40, 60)))
+    seed = int(rng.integers(1000))
+    for bits, tables in ((2, 6), (4, 12), (6, 20)):
+        dense = MagicPIGDecode(bits=bits, tables=tables, sink_tokens=3, local_tokens=5, seed=seed)
+        full = MagicPIGDecode(bits=bits, tables=tables, sink_tokens=3, local_tokens=5, seed=seed, bucket_size=64,
+                              max_sampled=64)
+        want = dense.attend(dense.prepare(cache, filled), 0, q, cache.k[0], cache.v[0], mask)
+        got = full.attend(full.prepare(cache, filled), 0, q, cache.k[0], cache.v[0], mask)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    cut = MagicPIGDecode(bits=2, tables=6, sink_tokens=3, local_tokens=5, seed=seed, bucket_size=2, max_sampled=3)
+    assert np.abs(np.asarray(cut.attend(cut.prepare(cache, filled), 0, q, cache.k[0], cache.v[0], mask))
+                  - np.asarray(dense.attend(dense.prepare(cache, filled), 0, q, cache.k[0], cache.v[0], mask))).max() > 1e-3
+    model = Transformer(ModelConfig.tiny(vocab_size=200, max_seq_len=128), rngs=nnx.Rngs(0))
+    prompts = [rng.integers(0, 200, int(n)).tolist() for n in (60, 47)]
+    np.testing.assert_array_equal(
+        generate(model, prompts, max_new_tokens=6, decode_attention=MagicPIGDecode(bits=4, tables=8, seed=seed)),
+        generate(model, prompts, max_new_tokens=6, decode_attention=MagicPIGDecode(
+            bits=4, tables=8, seed=seed, bucket_size=128, max_sampled=128)))
+
+
 @pytest.mark.parametrize("kwargs,match", [
+    (dict(bucket_size=8), "bucket_size=8 and max_sampled=0 must both be 0"), (dict(max_sampled=-1), "max_sampled=-1"),
     (dict(bits=0), "bits=0 must be an integer >= 1"), (dict(bits=31), "bits=31 must be <= 30"),
     (dict(tables=2.5), "tables=2.5 must be an integer"), (dict(tables=4, min_collisions=5), "min_collisions=5"),
     (dict(sink_tokens=-1), "sink_tokens=-1"), (dict(local_tokens=True), "local_tokens=True"),

@@ -12,9 +12,11 @@ depths ``(i + 0.5) / samples``) the prompt is prefilled once (exact attention) a
    Llama-3.1-8B).
 2. **Task accuracy**: the greedy reply (``--new-tokens``) of each method; correct when its first number is the key.
 3. **Decode ms/token** (``--time``): ``(t(1 + n new tokens) - t(1 new token)) / n``, median of ``--repeats``, for
-   exact attention and the first LSH setting with its TopK twin. MagicPIG is evaluated densely here (every
-   middle key's collision count; ``magicpig`` module doc), so this is its cost in this implementation, not the
-   reference's host-memory bucket lookup.
+   exact attention and the first LSH setting with its TopK twin. MagicPIG is evaluated densely (every middle
+   key's collision count and score; ``magicpig`` module doc) unless ``--gather F``: then the first setting also
+   runs through bucket tables (``MagicPIGDecode(bucket_size, max_sampled)``: each query reads its bucket in every
+   table, at most F times the mean bucket ``length / 2^K``, and gathers at most F times the mean number of keys
+   the dense evaluation sampled), its accuracy and decode ms/token reported as ``magicpig K:L gathered``.
 
 Over the plain cache the first reply token comes from the exact prefill; MagicPIG and TopK act from the second on.
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import jax
@@ -44,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rag_jax.atomic import write_text
-from rag_jax.args import ScriptParser, input_file, int_list, integer, model_source, output_file
+from rag_jax.args import ScriptParser, input_file, int_list, integer, model_source, output_file, real
 from rag_jax.recipes.em_llm.tasks import correct, passkey_prompts
 from rag_jax.evaluation.tables import table
 from rag_jax.evaluation.timing import cpu_threads, median_ms
@@ -170,6 +173,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=integer(1), default=12, help="greedy reply tokens")
     p.add_argument("--time", action=argparse.BooleanOptionalAction, default=True,
                    help="decode ms/token of exact, the first LSH setting and its TopK twin")
+    p.add_argument("--gather", type=real(0), default=0.0,
+                   help="also run the first LSH setting through bucket tables with capacities F times the mean "
+                        "bucket and sample (0 = off; plain cache only)")
     p.add_argument("--repeats", type=integer(1), default=3)
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--threads", type=integer(0), default=0, help="cores (CPU affinity; 0 = unpinned)")
@@ -217,6 +223,14 @@ def main(argv=None) -> int:
                     middle = len(prompt.ids) - pig.sink_tokens - pig.local_tokens
                     budgets[name] = max(int(round(errors[name][0][1] * middle)), 1)
                 policies[name] = TopKDecode(budget=budgets[name], dense_layers=dense)
+                if args.gather and (bits, tables) == args.lsh[0]:
+                    name = f"magicpig {bits}:{tables} gathered"
+                    if name not in budgets:
+                        middle = len(prompt.ids) - pig.sink_tokens - pig.local_tokens
+                        budgets[name] = (math.ceil(args.gather * len(prompt.ids) / 2 ** bits),
+                                         math.ceil(args.gather * errors[f"magicpig {bits}:{tables}"][0][1] * middle))
+                    policies[name] = MagicPIGDecode(bits=bits, tables=tables, dense_layers=dense,
+                                                    bucket_size=budgets[name][0], max_sampled=budgets[name][1])
 
             def reply(policy, new_tokens):
                 return generate(model, [prompt.ids[-1:]], max_new_tokens=new_tokens, eos_id=loaded.eos_ids,
@@ -226,22 +240,27 @@ def main(argv=None) -> int:
                 hits.setdefault(name, []).append(bool(correct("passkey", text, prompt.answer)))
             if args.time and i == 0:
                 first = f"magicpig {args.lsh[0][0]}:{args.lsh[0][1]}"
-                for name in ("exact", first, first.replace("magicpig", "topk @")):
+                for name in ("exact", first, first.replace("magicpig", "topk @")) + (
+                        (first + " gathered",) if args.gather else ()):
                     one = median_ms(lambda: reply(policies[name], 1), args.repeats)
                     many = median_ms(lambda: reply(policies[name], 1 + args.new_tokens), args.repeats)
                     timing[name] = (many - one) / args.new_tokens
             print(f"  {length} tokens, prompt {i + 1}/{args.samples}: "
                   + ", ".join(f"{k} {v[-1]}" for k, v in hits.items()), flush=True)
+        exact = {"exact": (0.0, 1.0)}                          # the gathered variant's error is not measured
         rows = {name: {"correct": sum(h), "n": len(h),
-                       "rel_error": float(np.mean([e for e, _ in errors[name]])) if name in errors else 0.0,
-                       "fraction": float(np.mean([f for _, f in errors[name]])) if name in errors else 1.0,
+                       "rel_error": float(np.mean([e for e, _ in errors[name]])) if name in errors else exact.get(
+                           name, (None,))[0],
+                       "fraction": float(np.mean([f for _, f in errors[name]])) if name in errors else exact.get(
+                           name, (None, None))[1],
                        "ms_per_token": timing.get(name)} for name, h in hits.items()}
         report["lengths"][length] = rows
         print(f"\n{length} tokens, {args.samples} passkey prompts ({args.model}, base: {args.base})")
         print(table(["method", "keys used", "rel. error", "passkey", "decode ms/token"],
-                    [[k, r["fraction"], r["rel_error"], f"{r['correct']}/{r['n']}",
+                    [[k, "-" if r["fraction"] is None else f"{r['fraction']:.3f}",
+                      "-" if r["rel_error"] is None else f"{r['rel_error']:.4f}", f"{r['correct']}/{r['n']}",
                       "-" if r["ms_per_token"] is None else f"{r['ms_per_token']:.1f}"] for k, r in rows.items()],
-                    floatfmt=("", ".3f", ".4f", "", "")), flush=True)
+                    floatfmt=("", ".3f", ".4f", "", ".1f")), flush=True)
     report["seconds"] = time.perf_counter() - t0
     print(f"\n{report['seconds']:.0f} s")
     if args.out:

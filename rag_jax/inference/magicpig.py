@@ -18,9 +18,14 @@ With ``w = exp(q·k/√d)``, ``Σ_sampled (w/u) v`` is an unbiased (Horvitz-Thom
 exact part, i.e. one softmax over logits ``q·k/√d - log u`` (sampled) and ``q·k/√d`` (exact).
 ``TopKDecode`` keeps instead the ``budget`` highest-scoring middle keys (the biased baseline of §3).
 
-Here the sampling is evaluated densely (every middle key's collision count is computed), which is exact
-to the method's distribution but not its speed: the reference gathers the colliding keys from bucket
-tables in host memory. Both policies plug into ``generate(..., decode_attention=...)`` over a plain cache and
+By default the sampling is evaluated densely (every middle key's collision count and score are computed):
+exact to the method's distribution, not its speed. With ``bucket_size`` / ``max_sampled`` the keys are put in
+bucket tables once (``prepare``: per table the slots sorted by bucket code and each bucket's offset, as the
+reference's host-side tables), and each decode step reads only the query's bucket in every table (at most
+``bucket_size`` slots each), counts collisions by a scatter over those slots, and gathers the sampled keys (at
+most ``max_sampled``) and the exact part's keys: its score and value work scales with the keys used, not the
+cache. Capacities that cut a bucket or the sample leave keys out (an estimate biased by the cut); at or above the
+largest bucket and sample it equals the dense evaluation. Both policies plug into ``generate(..., decode_attention=...)`` over a plain cache and
 into ``memory.EMLLM(..., decode_attention=...)`` over EM-LLM's window and memory (``decode_logits``: hashed per
 step, since the retrieved memory changes).
 """
@@ -61,6 +66,9 @@ class MagicPIGDecode:
       sink_tokens, local_tokens: exact attention on the first / last prompt tokens (4 and 64 in the reference).
       seed: PRNG seed of the hyperplanes (``[head_dim, bits * tables]`` standard normal, shared by layers).
       dense_layers: layers that attend exactly (the reference keeps layers 0 and 16 of Llama-3.1-8B dense).
+      bucket_size, max_sampled: 0 (both) evaluates the sampling densely; otherwise bucket tables (module doc):
+        at most ``bucket_size`` slots read per table and query head, at most ``max_sampled`` keys sampled
+        (the first by slot where more collide).
 
     Raises ValueError (one line, naming the field) on construction for a non-integer or out-of-range field.
     """
@@ -72,10 +80,17 @@ class MagicPIGDecode:
     local_tokens: int = 64
     seed: int = 0
     dense_layers: tuple[int, ...] = ()
+    bucket_size: int = 0
+    max_sampled: int = 0
 
     def __post_init__(self):
         _check_layers(self.dense_layers)
         _check_int("bits", self.bits, 1)
+        _check_int("bucket_size", self.bucket_size, 0)
+        _check_int("max_sampled", self.max_sampled, 0)
+        if (self.bucket_size == 0) != (self.max_sampled == 0):
+            raise ValueError(f"bucket_size={self.bucket_size} and max_sampled={self.max_sampled} must both be 0 "
+                             "(dense evaluation) or both >= 1 (bucket tables)")
         if self.bits > 30:
             raise ValueError(f"bits={self.bits} must be <= 30 (bucket codes are int32)")
         _check_int("tables", self.tables, 1)
@@ -92,12 +107,18 @@ class MagicPIGDecode:
         middle = middle_slots(cache.segment_ids, prompt_end, self.sink_tokens, self.local_tokens)
         key = jax.random.key(self.seed) if key is None else key
         planes = hyperplanes(key, cache.k[0].shape[-1], self.bits, self.tables)
-        means, codes = [], []
+        means, codes, tables = [], [], []
         for k in cache.k:
             mean = masked_mean(k, middle)
             means.append(mean)
             codes.append(simhash(k - mean, planes, self.bits))
-        return LSHIndex(planes=planes, key_mean=tuple(means), codes=tuple(codes), middle=middle)
+            if self.bucket_size:
+                tables.append(bucket_tables(codes[-1], self.bits))
+        if tables:        # the gathered path reads the tables, never the per-slot codes
+            codes = [()] * len(codes)
+        return LSHIndex(planes=planes, key_mean=tuple(means), codes=tuple(codes), middle=middle,
+                        tables=tuple(tables), exact_slots=self.sink_tokens + self.local_tokens
+                        + cache.k[0].shape[2] - int(prompt_end) if tables else 0)
 
     def sample(self, index: "LSHIndex", layer: int, q, kt):
         """Which keys layer ``layer``'s query samples and with what probability: q ``[batch, 1, num_heads,
@@ -116,10 +137,47 @@ class MagicPIGDecode:
         length]`` (the causal decode mask) -> ``[batch, 1, num_heads, head_dim]`` in q's dtype."""
         if layer in self.dense_layers:
             return attend_cache(q, kt, vt, mask)
+        if index.tables:
+            return self._gathered(index, layer, q, kt, vt, mask)
         logits, scores, middle = _logits(q, kt, mask, index.middle)
         sampled, u = self.sample(index, layer, q, kt)
         log_u = jnp.log(jnp.maximum(u, jnp.finfo(jnp.float32).tiny))
         return _softmax_values(jnp.where(middle & sampled, scores - log_u, logits), vt, q)
+
+
+    def _gathered(self, index: "LSHIndex", layer: int, q, kt, vt, mask):
+        """``attend`` through the bucket tables: per query head, the slots of its bucket in each table (at most
+        ``bucket_size``), their collision counts (one scatter), the sampled middle keys (at most
+        ``max_sampled``) and the exact part (sinks, window, decoded tokens: ``index.exact_slots`` at most) gathered,
+        one softmax over both with ``- log u`` on the sampled."""
+        b, h, n, d = kt.shape
+        qg = einops.rearrange(q, "b q (h g) d -> b h (g q) d", h=h).astype(jnp.float32)
+        rows = b * h * qg.shape[2]
+        order, offsets = index.tables[layer]                              # [b, h, L, n], [b, h, L, 2^K + 1]
+        code = simhash(qg, index.planes, self.bits)[..., None]            # [b, h, g, L, 1]
+        start = jnp.take_along_axis(offsets[:, :, None], code, -1)
+        end = jnp.take_along_axis(offsets[:, :, None], code + 1, -1)
+        slot = start + jnp.arange(min(self.bucket_size, n))               # [b, h, g, L, B]
+        ids = jnp.take_along_axis(order[:, :, None], jnp.minimum(slot, n - 1), -1)
+        counts = jnp.zeros((rows, n), jnp.int32).at[jnp.arange(rows)[:, None], ids.reshape(rows, -1)].add(
+            (slot < end).reshape(rows, -1).astype(jnp.int32))
+        allowed = jnp.broadcast_to(mask[:, :, None, :], (b, h, qg.shape[2], n)).reshape(rows, n)
+        middle = jnp.broadcast_to(index.middle[:, None, None, :], (b, h, qg.shape[2], n)).reshape(rows, n)
+        s_idx, s_ok = _compact(allowed & middle & (counts >= self.min_collisions), min(self.max_sampled, n))
+        e_idx, e_ok = _compact(allowed & ~middle, min(index.exact_slots, n))
+        idx = jnp.concatenate([e_idx, s_idx], -1).reshape(b, h, qg.shape[2], -1)
+        keys = jnp.take_along_axis(kt[:, :, None].astype(jnp.float32), idx[..., None], 3)      # [b, h, g, m, d]
+        values = jnp.take_along_axis(vt[:, :, None], idx[..., None], 3)
+        scores = jnp.einsum("bhgd,bhgmd->bhgm", qg, keys) * (d ** -0.5)
+        cos = jnp.einsum("bhgd,bhgmd->bhgm", qg / jnp.maximum(jnp.linalg.norm(qg, axis=-1, keepdims=True), 1e-30),
+                         _unit(keys - index.key_mean[layer][:, :, None]))
+        u = collision_probability(cos, self.bits, self.tables, self.min_collisions)
+        sampled = jnp.arange(idx.shape[-1]) >= e_idx.shape[-1]
+        ok = jnp.concatenate([e_ok, s_ok], -1).reshape(idx.shape)
+        logits = jnp.where(sampled, scores - jnp.log(jnp.maximum(u, jnp.finfo(jnp.float32).tiny)), scores)
+        w = jax.nn.softmax(jnp.where(ok, logits, MASK_VALUE), axis=-1)
+        out = jnp.einsum("bhgm,bhgmd->bhgd", w.astype(vt.dtype), values, preferred_element_type=jnp.float32)
+        return einops.rearrange(out, "b h g d -> b 1 (h g) d").astype(q.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,14 +214,31 @@ class LSHIndex:
     Attributes:
       planes: float32 ``[head_dim, bits * tables]`` hyperplanes.
       key_mean: per layer float32 ``[batch, num_kv_heads, 1, head_dim]``, the mean middle key.
-      codes: per layer int32 ``[batch, num_kv_heads, length, tables]`` bucket of every slot's key.
+      codes: per layer int32 ``[batch, num_kv_heads, length, tables]`` bucket of every slot's key (``()`` per
+        layer where ``tables`` is filled).
       middle: bool ``[batch, length]``, the slots attended by sampling.
+      tables: per layer ``bucket_tables`` (``()`` for the dense evaluation).
+      exact_slots: static, the most slots the exact part can hold (sinks + window + decode slots).
     """
 
     planes: jax.Array
     key_mean: tuple
     codes: tuple
     middle: jax.Array
+    tables: tuple = ()
+    exact_slots: int = flax.struct.field(pytree_node=False, default=0)
+
+
+def bucket_tables(codes, bits: int) -> tuple[jax.Array, jax.Array]:
+    """Bucket tables of ``codes`` (int32 ``[b, kv_heads, length, tables]``): ``(order, offsets)``, int32
+    ``[b, kv_heads, tables, length]`` the slots sorted by their code in each table and ``[b, kv_heads, tables,
+    2^bits + 1]`` where each code's run starts (bucket ``c`` of table ``t`` = ``order[..., t, offsets[..., t, c]:
+    offsets[..., t, c + 1]]``)."""
+    by_table = jnp.swapaxes(codes, -1, -2)
+    order = jnp.argsort(by_table, axis=-1, stable=True).astype(jnp.int32)
+    sizes = jnp.vectorize(lambda c: jnp.bincount(c, length=2 ** bits), signature="(n)->(m)")(by_table)
+    offsets = jnp.concatenate([jnp.zeros(sizes.shape[:-1] + (1,), jnp.int32), jnp.cumsum(sizes, -1)], -1)
+    return order, offsets.astype(jnp.int32)
 
 
 def decode_logits(policy, q, kt, mask, middle) -> jax.Array:
@@ -280,6 +355,20 @@ def _cosine(qg, kc):
     qn = qg / jnp.maximum(jnp.linalg.norm(qg, axis=-1, keepdims=True), 1e-30)
     kn = kc / jnp.maximum(jnp.linalg.norm(kc, axis=-1, keepdims=True), 1e-30)
     return jnp.einsum("bhmd,bhkd->bhmk", qn, kn)
+
+
+def _compact(keep, size: int) -> tuple[jax.Array, jax.Array]:
+    """The first ``size`` True slots of each row of ``keep`` (bool ``[rows, n]``), in slot order: int32
+    ``[rows, size]`` slot ids (0 past the row's count) and bool ``[rows, size]`` which are real."""
+    rank = jnp.cumsum(keep, axis=-1) - 1
+    target = jnp.where(keep & (rank < size), rank, size)             # column ``size`` collects the rest
+    rows = jnp.arange(keep.shape[0])[:, None]
+    idx = jnp.zeros((keep.shape[0], size + 1), jnp.int32).at[rows, target].set(jnp.arange(keep.shape[1]))
+    return idx[:, :size], jnp.arange(size) < jnp.sum(keep, -1, keepdims=True)
+
+
+def _unit(x):
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
 
 
 def _softmax_values(logits, vt, q):
