@@ -129,6 +129,31 @@ def test_kv_prompts_mark_the_gold_pair(tmp_path):
     assert tasks.correct("passkey", " 12345.", "12345") and not tasks.correct("passkey", " 1234", "12345")
 
 
+def test_nq_prompts_place_the_gold_passage_among_answerless_ones(tmp_path):
+    from rag_jax.metrics import normalize_answer
+    if not tasks.NQ_FILE.exists():
+        pytest.skip(f"{tasks.NQ_FILE} absent (shared data)")
+    loaded = _loaded(tmp_path)
+    seed = int(np.random.default_rng().integers(1000))
+    prompts = tasks.nq_prompts(loaded, 8000, 3, seed=seed)
+    assert [p.depth for p in prompts] == [1 / 6, 1 / 2, 5 / 6] and len({p.tag for p in prompts}) == 3
+    for p in prompts:
+        text = loaded.tokenizer.decode(p.ids.tolist())
+        assert abs(len(p.ids) - 8000) < 800 and p.parts[2] in text[-200:]
+        assert p.parts[2].endswith(p.tag + "\nAnswer briefly.")
+        gold = loaded.tokenizer.decode(p.ids[p.evidence].tolist())
+        assert gold.startswith("Document (Title: ") and text.count(gold) == 1
+        assert abs(text.index(gold) / len(text) - p.depth) < 0.1
+        docs = p.parts[1].split("\n\nDocument ")
+        assert len(docs) > 10 and user_prompt(loaded, "".join(p.parts), "").ids == p.ids.tolist()
+        golds = [normalize_answer(a) for a in p.answers]
+        holding = [d for d in docs if any(g in normalize_answer(d) for g in golds)]
+        assert len(holding) == 1 and gold.strip().endswith(holding[0].strip())   # only the gold passage answers
+        assert tasks.score("nq", f"I think {p.answers[-1]}.", p) == 1.0 and tasks.score("nq", "no idea", p) == 0.0
+    again = tasks.nq_prompts(loaded, 8000, 3, seed=seed)
+    assert all(np.array_equal(a.ids, b.ids) for a, b in zip(prompts, again))
+
+
 def test_full_attention_reply_may_run_past_the_trained_context(tmp_path):
     """A prompt filling max_seq_len still gets its reply (positions past it), the same as a longer context's."""
     short = CFG.replace(max_seq_len=64)

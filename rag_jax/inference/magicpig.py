@@ -25,9 +25,9 @@ reference's host-side tables), and each decode step reads only the query's bucke
 ``bucket_size`` slots each), counts collisions by a scatter over those slots, and gathers the sampled keys (at
 most ``max_sampled``) and the exact part's keys: its score and value work scales with the keys used, not the
 cache. Capacities that cut a bucket or the sample leave keys out (an estimate biased by the cut); at or above the
-largest bucket and sample it equals the dense evaluation. Both policies plug into ``generate(..., decode_attention=...)`` over a plain cache and
-into ``memory.EMLLM(..., decode_attention=...)`` over EM-LLM's window and memory (``decode_logits``: hashed per
-step, since the retrieved memory changes).
+largest bucket and sample it equals the dense evaluation. Both policies plug into ``generate(...,
+decode_attention=...)`` over a plain cache and into ``memory.EMLLM(..., decode_attention=...)`` over EM-LLM's
+window and memory (``decode_logits``: hashed per step, since the retrieved memory changes).
 """
 from __future__ import annotations
 

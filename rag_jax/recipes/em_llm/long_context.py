@@ -20,6 +20,8 @@ with the assistant's reply started by a prefix; greedy decoding.
 - ``haystack``: "needle in a real haystack": a 1-hop PhantomWiki attribute question (occupation, hobby, date of
   birth) whose answer sits in one article among the other articles of its generated universe; reply prefix
   "The hobby of X is"; correct when the reply contains the value.
+- ``nq``: RULER's QA task on real data: an NQ-open question whose gold passage sits among other questions' gold
+  passages (Lost in the Middle's document format), no reply prefix; best-subspan EM over the gold answers.
 
 Methods (``rag_jax.recipes.em_llm.passkey.method_config`` on ``--em-config``): ``em_llm`` (surprise events, InfLLM
 positions), ``em_llm_contiguous`` (memory at contiguous positions), ``em_llm_refine`` (+ modularity

@@ -3,7 +3,8 @@ prompts as token ids under the model's chat template, the evidence's token posit
 
 Tasks (``TASKS``): ``passkey`` (∞-Bench wording, reply prefix "The pass key is"), ``passkey_once`` (stated once,
 no reply prefix), ``kv`` (the shared 75-key file), ``haystack`` (a PhantomWiki article among others) and the
-RULER-style tasks of ``rag_jax.data.ruler``; the long_context module docstring describes each.
+RULER-style tasks of ``rag_jax.data.ruler``, ``nq`` (an NQ-open gold passage among others: RULER's QA on real
+data); the long_context module docstring describes each.
 """
 from __future__ import annotations
 
@@ -13,19 +14,21 @@ import re
 import numpy as np
 
 from rag_jax.data import ruler
-from rag_jax.data.loaders import load_kv_retrieval
+from rag_jax.data.loaders import load_kv_retrieval, load_nq_oracle, nq_passage_pool, shared_file
+from rag_jax.metrics import best_subspan_em, normalize_answer
 from rag_jax.data.phantom import _ATTRIBUTE_TEXT, generate_universe
 from rag_jax.recipes.em_llm.passkey import FILLER, KV_FILE, kv_prompt
 from rag_jax.inference.chat import user_prompt
 
 FILLERS = ("repeat", "phantom")
-TASKS = ("passkey", "passkey_once", "kv", "haystack", *ruler.TASKS)
+TASKS = ("passkey", "passkey_once", "kv", "haystack", "nq", *ruler.TASKS)
 TASK_NAMES = {"passkey": "Passkey", "passkey_once": "Passkey stated once, no reply prefix",
               "kv": "KV retrieval (75 keys)", "haystack": "PhantomWiki haystack (1-hop)",
+              "nq": "NQ-open QA (gold passage among others)",
               "niah_single": "RULER NIAH single", "niah_multikey": "RULER NIAH multi-key",
               "niah_multivalue": "RULER NIAH multi-value", "niah_multiquery": "RULER NIAH multi-query",
               "vt": "RULER variable tracking", "cwe": "RULER common words", "fwe": "RULER frequent words"}
-MAX_NEW_TOKENS = {"passkey": 8, "passkey_once": 24, "kv": 40, "haystack": 16, "niah_single": 16,
+MAX_NEW_TOKENS = {"passkey": 8, "passkey_once": 24, "kv": 40, "haystack": 16, "nq": 32, "niah_single": 16,
                   "niah_multikey": 16, "niah_multivalue": 48, "niah_multiquery": 48, "vt": 32, "cwe": 64, "fwe": 24}
 ONCE_NEEDLE = "The secret code is {key}. "
 ONCE_QUESTION = "\n\nWhat is the secret code? Reply with the number only."
@@ -182,6 +185,53 @@ def haystack_prompts(loaded, length: int, samples: int, seed: int) -> list[Promp
     return out
 
 
+NQ_FILE = shared_file("lost_in_the_middle", "nq-open-oracle.jsonl.gz")
+NQ_INSTRUCTION = ("Write a high-quality answer for the given question using only the provided search results "
+                  "(some of which might be irrelevant).\n\n")
+NQ_DOCUMENT = "Document (Title: {title}) {text}\n\n"
+NQ_QUESTION = "Question: {question}\nAnswer briefly."
+
+
+def nq_prompts(loaded, length: int, samples: int, seed: int) -> list[Prompt]:
+    """``samples`` NQ-open questions of about ``length`` tokens (RULER's QA task on real data): the question's gold
+    passage (``nq-open-oracle.jsonl.gz``) at depth ``(i + 0.5) / samples`` among other questions' gold passages in
+    a seeded order (Lost in the Middle's document format and instruction; passages that contain one of the
+    question's answers are left out of the distractors), the question last, no reply prefix. Scored by
+    best-subspan EM over the gold answers (``Prompt.answers``). Questions are drawn with ``[seed, length]``.
+
+    Raises FileNotFoundError where the shared data is absent."""
+    if not NQ_FILE.exists():
+        raise FileNotFoundError(f"{NQ_FILE} is absent (the shared lost_in_the_middle data; set RAG_JAX_SHARED_DATA)")
+    examples = load_nq_oracle(NQ_FILE)
+    pool, gold_ids = nq_passage_pool(examples)
+    docs = [NQ_DOCUMENT.format(title=p.title, text=p.text) for p in pool]
+    texts = [normalize_answer(p.text) for p in pool]
+    rng = np.random.default_rng([seed, length])
+    order = rng.permutation(len(pool))
+    out = []
+    for i, q in enumerate(rng.choice(len(examples), size=samples, replace=False)):
+        ex, depth = examples[q], (i + 0.5) / samples
+        golds = [normalize_answer(a) for a in ex.answers]
+        others = [docs[j] for j in order if j != gold_ids[q]
+                  and not any(g and g in texts[j] for g in golds)]
+        needle, question = docs[gold_ids[q]], "\n" + NQ_QUESTION.format(question=ex.question)
+
+        def pieces(count: int, needle=needle, depth=depth, others=others, question=question):
+            picked = [others[j % len(others)] for j in range(count)]
+            cut = int(round(depth * count))
+            return NQ_INSTRUCTION, "".join(picked[:cut] + [needle] + picked[cut:]).rstrip("\n"), question
+
+        def build(count: int, pieces=pieces):
+            return user_prompt(loaded, "".join(pieces(count)), "")
+
+        count = _fit(build, length, tokens_per_piece=150)
+        enc = build(count)
+        at = enc.text.index(needle, enc.text.index(NQ_INSTRUCTION))
+        out.append(Prompt(np.asarray(enc.ids, np.int32), ex.answers[0], depth, ex.question,
+                          _char_tokens(enc, [(at, at + len(needle))]), "", tuple(ex.answers), pieces(count)))
+    return out
+
+
 def passkey_once_prompts(loaded, length: int, samples: int, seed: int, filler: str) -> list[Prompt]:
     """``samples`` passkey prompts in which the key is stated once ("The secret code is NNNNN.") and the reply has
     no prefix: the instruction-free needle of issue 30 (with ``filler="phantom"``, a fact stated once in prose).
@@ -247,7 +297,10 @@ def _fit(build, length: int, tokens_per_piece: int) -> int:
 
 
 def score(task: str, reply: str, prompt: Prompt) -> float:
-    """The prompt's score in [0, 1]: RULER's fraction of expected strings found for its tasks, else ``correct``."""
+    """The prompt's score in [0, 1]: best-subspan EM for ``nq`` (any gold answer), RULER's fraction of expected
+    strings found for its tasks, else ``correct``."""
+    if task == "nq":
+        return best_subspan_em(reply, prompt.answers)
     if prompt.answers:
         return ruler.score(reply, prompt.answers)
     return float(correct(task, reply, prompt.answer))
@@ -275,4 +328,6 @@ def make_prompts(loaded, task: str, length: int, samples: int, seed: int, filler
         return kv_prompts(loaded, samples, seed)
     if task == "haystack":
         return haystack_prompts(loaded, length, samples, seed)
+    if task == "nq":
+        return nq_prompts(loaded, length, samples, seed)
     raise ValueError(f"task={task!r}; valid: {TASKS}")

@@ -39,7 +39,7 @@ from rag_jax.memory import EMLLM, EMLLMConfig
 from rag_jax.recipes.em_llm.long_context import EM_CONFIG
 from rag_jax.recipes.em_llm.tasks import FILLERS, MAX_NEW_TOKENS, make_prompts, score
 
-TASKS = ("haystack", "passkey_once", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
+TASKS = ("haystack", "nq", "passkey_once", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
 
 
 def main(argv=None) -> int:
