@@ -20,6 +20,7 @@ from rag_jax.model import gguf as gg
 from rag_jax.model.config import ModelConfig
 from rag_jax.model.delta import apply_delta, delta_metadata
 from rag_jax.model.hf import load_hf
+from rag_jax.model.lora import merge_lora
 from rag_jax.model.run_folder import is_run_folder, read_run_config, restore_params
 from rag_jax.model.transformer import Transformer
 from rag_jax.tokenizer import EOS, eos_tuple, load_tokenizer
@@ -139,20 +140,21 @@ def chat_section(loaded: LoadedModel) -> dict:
 
 
 def _load_run_folder(path: Path) -> LoadedModel:
-    """The latest step's parameters (no optimizer: ``run_folder.restore_params``); a run without a ``chat``
-    section ends replies with the trained tokenizers' ``<eos>``."""
+    """The latest step's parameters (no optimizer: ``run_folder.restore_params``; LoRA adapters folded into their
+    weights, ``lora.merge_lora``); a run without a ``chat`` section ends replies with the trained tokenizers'
+    ``<eos>``."""
     config = read_run_config(path)
     tok = load_tokenizer(path / "tokenizer.json")
     _, graphdef, params = restore_params(path / "checkpoints", config["model"],
                                          (config.get("train") or {}).get("precision", "fp32"))
-    model = nnx.merge(graphdef, params)
+    model = merge_lora(nnx.merge(graphdef, params))   # LoRA adapters folded in: every reader sees plain weights
     chat = config.get("chat")
     if isinstance(chat, dict):  # a fine-tuned pretrained chat model (chat_section)
-        return LoadedModel(config["model"], model, "LlamaForCausalLM", tok, chat.get("template"),
+        return LoadedModel(model.config, model, "LlamaForCausalLM", tok, chat.get("template"),
                            tuple(int(i) for i in chat.get("eos_ids") or ()), dict(chat.get("special_tokens") or {}),
                            path, config)
     eos = tok.token_to_id(EOS)
-    return LoadedModel(config["model"], model, "LlamaForCausalLM", tok, None,
+    return LoadedModel(model.config, model, "LlamaForCausalLM", tok, None,
                        () if eos is None else (eos,), {"eos_token": EOS} if eos is not None else {}, path, config)
 
 
