@@ -164,11 +164,21 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> N
 
 
 def check_global_batch(global_batch: int, mesh: Mesh, rules: Rules = DEFAULT_RULES, accum_steps: int = 1) -> None:
-    """Raises ValueError unless global_batch is a multiple of data-parallel size x accum_steps."""
+    """Raises ValueError unless global_batch is a multiple of data-parallel size x accum_steps, and, where the
+    batch is split over two or more mesh axes and ``tensor`` splits the width too, unless each shard of a
+    micro-batch holds at least two rows: with one row per shard there XLA's partitioner (jax 0.10) returns
+    wrong activations for some rows (``x + f(x)`` with ``x`` constrained to ``P(("data", "fsdp"), None,
+    "tensor")``, mesh 2 x 2 x 2, 4 rows: rows 1 and 2 wrong; ``tests/test_sharding.py`` keeps the reproduction)."""
     dp = data_parallel_size(mesh, rules)
     if global_batch < 1 or global_batch % (dp * accum_steps):
         raise ValueError(f"global batch size {global_batch} must be a positive multiple of the data-parallel size "
                          f"{dp} (mesh {dict(mesh.shape)}) x grad_accum_steps {accum_steps} = {dp * accum_steps}")
+    spec = logical_to_spec(("batch",), mesh, rules)[0]
+    if (isinstance(spec, tuple) and len(spec) > 1 and mesh.shape.get("tensor", 1) > 1
+            and global_batch // (dp * accum_steps) == 1):
+        raise ValueError(f"global batch size {global_batch} puts one row per data-parallel shard of mesh "
+                         f"{dict(mesh.shape)} (batch over {spec}, tensor > 1), where XLA's partitioner computes "
+                         f"wrong activations; use at least 2 rows per shard: a multiple of {2 * dp * accum_steps}")
 
 
 # Activation constraints: a no-op unless code runs inside `activation_rules(mesh, rules)`, so model code

@@ -121,35 +121,49 @@ def test_adapter_gradients_are_the_chain_rule_of_the_weight_gradient():
             np.testing.assert_allclose(g_lora[key + "/lora_b"], a.T @ dw, rtol=2e-4, atol=2e-4 * np.abs(dw).max())
 
 
-def test_a_train_step_over_the_adapters_moves_only_them():
-    rng = np.random.default_rng()
-    seed = int(rng.integers(1 << 30))
-    base = Transformer(CFG, rngs=nnx.Rngs(seed))
-    lora = add_lora(base, 4, seed=seed)
-    opt_cfg = optim.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.0, trainable=LORA_TRAINABLE)
+def _train(lora, mesh_cfg, devices, tokens, seed, steps=5):
+    """``steps`` AdamW steps over the adapters (``LORA_TRAINABLE``) on a mesh -> (params before, after, losses,
+    the trainable mask by path). Adam's eps 1e-4 keeps the update Lipschitz in the gradient (layouts compare)."""
+    opt_cfg = optim.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.0, eps=1e-4,
+                                    trainable=LORA_TRAINABLE)
     params = nnx.state(lora, nnx.Param)
     mask = {optim.param_path(p): m for p, m in jax.tree_util.tree_flatten_with_path(
         optim.trainable_mask(opt_cfg, params))[0]}
-    assert {k for k, m in mask.items() if m} == {k for k in mask if "/lora_" in k} and len(mask) > 2 * 7 * 2
     tx = optim.make_optimizer(opt_cfg, 10)
-    mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+    mesh = sharding.make_mesh(mesh_cfg, devices=devices)
     graphdef, state, shardings = step_lib.init_train_state(lora.config, tx, mesh, seed=seed, params=params)
-    tokens = rng.integers(0, CFG.vocab_size, (4, 16)).astype(np.int32)
-    batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.ones((4, 16), jnp.int32),
-             "positions": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (4, 16))}
+    b, s = tokens.shape
+    batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.ones((b, s), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))}
     train_step = step_lib.make_train_step(graphdef, tx, LMLoss(mode="causal"), shardings, mesh,
                                           trainable=optim.trainable_mask(opt_cfg, state.params))
-    before = {optim.param_path(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(
-        jax.device_get(state.params))[0]}
-    losses = []
-    for _ in range(5):
+    leaves = lambda st: {optim.param_path(p): np.asarray(v) for p, v in  # noqa: E731
+                         jax.tree_util.tree_flatten_with_path(jax.device_get(st.params))[0]}
+    before, losses = leaves(state), []
+    for _ in range(steps):
         state, metrics = train_step(state, batch)
         losses.append(float(metrics["loss"]))
-    after = {optim.param_path(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(
-        jax.device_get(state.params))[0]}
+    return before, leaves(state), losses, mask
+
+
+def test_a_train_step_over_the_adapters_moves_only_them_on_any_mesh():
+    """Adapters move, every other parameter stays bit-equal, the loss falls; on a data x fsdp x tensor mesh of 8
+    (fake CPU) devices the adapters end where the one-device run puts them."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    lora = add_lora(Transformer(CFG, rngs=nnx.Rngs(seed)), 4, seed=seed)
+    tokens = rng.integers(0, CFG.vocab_size, (8, 16)).astype(np.int32)     # two rows per batch shard below
+    one = sharding.MeshConfig(data=1, fsdp=1, tensor=1)
+    before, after, losses, mask = _train(lora, one, jax.devices()[:1], tokens, seed)
+    assert {k for k, m in mask.items() if m} == {k for k in mask if "/lora_" in k} and len(mask) > 2 * 7 * 2
     for k in before:
         assert np.array_equal(before[k], after[k]) != mask[k], k      # adapters moved, everything else bit-equal
     assert losses[-1] < losses[0]
+    _, sharded, sharded_losses, _ = _train(lora, sharding.MeshConfig(data=2, fsdp=2, tensor=2), jax.devices()[:8],
+                                           tokens, seed)
+    np.testing.assert_allclose(sharded_losses, losses, rtol=1e-5)
+    for k in after:
+        np.testing.assert_allclose(sharded[k], after[k], rtol=0, atol=1e-4, err_msg=k)
 
 
 def test_delta_and_hf_export_fold_the_adapters(tmp_path):

@@ -55,6 +55,32 @@ def test_global_batch_must_divide_data_parallel_size():
         sharding.check_global_batch(6, mesh)
     with pytest.raises(ValueError, match=r"grad_accum_steps 2 = 8"):
         sharding.check_global_batch(12, mesh, accum_steps=2)
+    with pytest.raises(ValueError, match=r"global batch size 4 puts one row per data-parallel shard .* a multiple "
+                                         r"of 8"):
+        sharding.check_global_batch(4, mesh)
+    sharding.check_global_batch(4, sharding.make_mesh(sharding.MeshConfig(data=4, fsdp=1, tensor=2)))  # one axis
+    sharding.check_global_batch(8, sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4, tensor=1)))  # no tensor
+
+
+def test_xla_partitioner_bug_that_check_global_batch_guards_against():
+    """The reproduction behind ``check_global_batch``'s one-row rule: ``x + (x @ w) @ w.T`` with ``x`` constrained
+    to the residual stream's sharding on a 2 x 2 x 2 mesh is wrong in rows 1 and 2 with one row per batch shard
+    and right with two. Fails once XLA computes it right: then the rule can go."""
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
+    rng = np.random.default_rng()
+    w = rng.standard_normal((32, 48)).astype(np.float32)
+
+    def f(x, w):
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
+        return x + (x @ w) @ w.T
+    step = jax.jit(f, in_shardings=(NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P("fsdp", "tensor"))))
+    errors = {}
+    for rows in (4, 8):
+        x = rng.standard_normal((rows, 16, 32)).astype(np.float32)
+        want = x.astype(np.float64) + (x.astype(np.float64) @ w) @ w.T.astype(np.float64)
+        errors[rows] = np.abs(np.asarray(step(x, w)) - want).reshape(rows, -1).max(1) / np.abs(want).max()
+    assert (errors[8] < 1e-5).all() and (errors[4][[0, 3]] < 1e-5).all()
+    assert (errors[4][[1, 2]] > 1e-2).all(), "XLA now partitions this right: drop check_global_batch's one-row rule"
 
 
 CFG = ModelConfig.tiny(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
