@@ -143,9 +143,10 @@ def test_nq_prompts_place_the_gold_passage_among_answerless_ones(tmp_path):
         assert p.parts[2].endswith(p.tag + "\nAnswer briefly.")
         gold = loaded.tokenizer.decode(p.ids[p.evidence].tolist())
         assert gold.startswith("Document (Title: ") and text.count(gold) == 1
-        assert abs(text.index(gold) / len(text) - p.depth) < 0.1
         docs = p.parts[1].split("\n\nDocument ")
-        assert len(docs) > 10 and user_prompt(loaded, "".join(p.parts), "").ids == p.ids.tolist()
+        assert len(docs) > 5 and user_prompt(loaded, "".join(p.parts), "").ids == p.ids.tolist()
+        at = [i for i, d in enumerate(docs) if ("Document " if i else "") + d.strip() == gold.strip()]
+        assert at == [round(p.depth * (len(docs) - 1))]          # the depth counts passages
         golds = [normalize_answer(a) for a in p.answers]
         holding = [d for d in docs if any(g in normalize_answer(d) for g in golds)]
         assert len(holding) == 1 and gold.strip().endswith(holding[0].strip())   # only the gold passage answers
