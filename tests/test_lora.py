@@ -91,6 +91,7 @@ def test_targets_subset_and_bad_settings():
         add_lora(lora, 2)
     # without adapters a config's identity is what it was before adapters existed (old runs resume)
     assert "lora" not in CFG.fingerprint() and "lora_rank" in CFG.replace(lora_rank=2).fingerprint()
+    assert "lora" not in repr(CFG) and "lora_rank=2" in repr(CFG.replace(lora_rank=2))   # model_fingerprint keys
     fp = checkpoint.run_fingerprint(type("R", (), {"model": CFG, "data": {}, "train": type(
         "T", (), {"seed": 0, "objective": "lm"})})())
     assert not any(k.startswith("lora") for k in fp["model"])

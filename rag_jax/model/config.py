@@ -141,6 +141,12 @@ class ModelConfig:
                 raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported; "
                                  f"valid: {SUPPORTED_ROPE_TYPES}")
 
+    def __repr__(self) -> str:
+        """The dataclass repr, without the LoRA fields when there are no adapters: the repr is part of cache keys
+        (``kv_store.model_fingerprint``), which stay those of configs from before adapters existed."""
+        shown = [f for f in dataclasses.fields(self) if self.lora_rank or f.name not in ("lora_rank", "lora_targets")]
+        return f"{type(self).__qualname__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens, or ``None`` (full attention)."""
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
