@@ -155,10 +155,12 @@ class MagicPIGDecode:
         rows = b * h * qg.shape[2]
         order, offsets = index.tables[layer]                              # [b, h, L, n], [b, h, L, 2^K + 1]
         code = simhash(qg, index.planes, self.bits)[..., None]            # [b, h, g, L, 1]
-        start = jnp.take_along_axis(offsets[:, :, None], code, -1)
-        end = jnp.take_along_axis(offsets[:, :, None], code + 1, -1)
+        # gathers by index arrays (one gather each; take_along_axis would broadcast the tables over g first)
+        bi, hi = jnp.arange(b)[:, None, None, None, None], jnp.arange(h)[None, :, None, None, None]
+        li = jnp.arange(self.tables)[None, None, None, :, None]
+        start, end = offsets[bi, hi, li, code], offsets[bi, hi, li, code + 1]
         slot = start + jnp.arange(min(self.bucket_size, n))               # [b, h, g, L, B]
-        ids = jnp.take_along_axis(order[:, :, None], jnp.minimum(slot, n - 1), -1)
+        ids = order[bi, hi, li, jnp.minimum(slot, n - 1)]
         counts = jnp.zeros((rows, n), jnp.int32).at[jnp.arange(rows)[:, None], ids.reshape(rows, -1)].add(
             (slot < end).reshape(rows, -1).astype(jnp.int32))
         allowed = jnp.broadcast_to(mask[:, :, None, :], (b, h, qg.shape[2], n)).reshape(rows, n)
@@ -166,8 +168,8 @@ class MagicPIGDecode:
         s_idx, s_ok = _compact(allowed & middle & (counts >= self.min_collisions), min(self.max_sampled, n))
         e_idx, e_ok = _compact(allowed & ~middle, min(index.exact_slots, n))
         idx = jnp.concatenate([e_idx, s_idx], -1).reshape(b, h, qg.shape[2], -1)
-        keys = jnp.take_along_axis(kt[:, :, None].astype(jnp.float32), idx[..., None], 3)      # [b, h, g, m, d]
-        values = jnp.take_along_axis(vt[:, :, None], idx[..., None], 3)
+        keys = kt[bi[..., 0], hi[..., 0], idx].astype(jnp.float32)                         # [b, h, g, m, d]
+        values = vt[bi[..., 0], hi[..., 0], idx]
         scores = jnp.einsum("bhgd,bhgmd->bhgm", qg, keys) * (d ** -0.5)
         cos = jnp.einsum("bhgd,bhgmd->bhgm", qg / jnp.maximum(jnp.linalg.norm(qg, axis=-1, keepdims=True), 1e-30),
                          _unit(keys - index.key_mean[layer][:, :, None]))
@@ -360,11 +362,9 @@ def _cosine(qg, kc):
 def _compact(keep, size: int) -> tuple[jax.Array, jax.Array]:
     """The first ``size`` True slots of each row of ``keep`` (bool ``[rows, n]``), in slot order: int32
     ``[rows, size]`` slot ids (0 past the row's count) and bool ``[rows, size]`` which are real."""
-    rank = jnp.cumsum(keep, axis=-1) - 1
-    target = jnp.where(keep & (rank < size), rank, size)             # column ``size`` collects the rest
-    rows = jnp.arange(keep.shape[0])[:, None]
-    idx = jnp.zeros((keep.shape[0], size + 1), jnp.int32).at[rows, target].set(jnp.arange(keep.shape[1]))
-    return idx[:, :size], jnp.arange(size) < jnp.sum(keep, -1, keepdims=True)
+    count = jnp.cumsum(keep, axis=-1, dtype=jnp.int32)             # the j-th True is where count first reaches j
+    idx = jax.vmap(lambda c: jnp.searchsorted(c, jnp.arange(1, size + 1, dtype=jnp.int32), side="left"))(count)
+    return jnp.minimum(idx, keep.shape[1] - 1).astype(jnp.int32), jnp.arange(size) < count[:, -1:]
 
 
 def _unit(x):
