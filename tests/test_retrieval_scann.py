@@ -173,7 +173,9 @@ def test_default_tuning_is_honest_on_fresh_queries_of_an_anisotropic_mixture():
     got = _recall(index.search(fresh, 10)[1] - 7, truth)
     assert tuning["reached"] and tuning["recall_lower"] >= 0.95
     assert got >= 0.95
-    assert abs(tuning["recall"] - got) <= 0.02  # the sample estimate is honest, not inflated by self-matches
+    # the sample estimate is honest: not inflated by self-matches (one-sided, 0.02), and within sampling noise of
+    # the fresh recall both ways (~4 standard errors of the difference at 500 queries and recall ~0.97)
+    assert tuning["recall"] - got <= 0.02 and abs(tuning["recall"] - got) <= 0.035
     # The tuning did the work: one leaf and reorder 10 on the same searcher is far below the target.
     rows, dist = index._raw_search(fresh, 10, 1, 10)
     assert _recall(index._to_ids(rows, dist, 10)[1] - 7, truth) < 0.8
@@ -185,7 +187,7 @@ def test_default_tuning_is_honest_on_fresh_queries_of_an_anisotropic_mixture():
     unit.add(unit_db, np.arange(10_000))
     tuning = unit.tune(0.95, k=1)
     got = _recall(unit.search(unit_fresh, 1)[1], top1)
-    assert tuning["reached"] and got >= 0.95 and abs(tuning["recall"] - got) <= 0.02
+    assert tuning["reached"] and got >= 0.95 and tuning["recall"] - got <= 0.02 and abs(tuning["recall"] - got) <= 0.035
 
 
 def test_bad_input_and_corrupt_directories(tmp_path):
