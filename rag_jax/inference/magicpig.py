@@ -103,7 +103,8 @@ class MagicPIGDecode:
 
     def prepare(self, cache: DecodeCache, prompt_end, key=None) -> "LSHIndex":
         """Hash the prompt's middle keys of every layer: ``cache`` right after prefill, ``prompt_end`` (int32
-        scalar) its first empty slot; ``key`` a PRNG key for the planes (default ``jax.random.key(seed)``)."""
+        scalar; a Python int with bucket tables, whose exact part has a static size) its first empty slot; ``key``
+        a PRNG key for the planes (default ``jax.random.key(seed)``)."""
         middle = middle_slots(cache.segment_ids, prompt_end, self.sink_tokens, self.local_tokens)
         key = jax.random.key(self.seed) if key is None else key
         planes = hyperplanes(key, cache.k[0].shape[-1], self.bits, self.tables)
@@ -171,8 +172,7 @@ class MagicPIGDecode:
         keys = kt[bi[..., 0], hi[..., 0], idx].astype(jnp.float32)                         # [b, h, g, m, d]
         values = vt[bi[..., 0], hi[..., 0], idx]
         scores = jnp.einsum("bhgd,bhgmd->bhgm", qg, keys) * (d ** -0.5)
-        cos = jnp.einsum("bhgd,bhgmd->bhgm", qg / jnp.maximum(jnp.linalg.norm(qg, axis=-1, keepdims=True), 1e-30),
-                         _unit(keys - index.key_mean[layer][:, :, None]))
+        cos = jnp.einsum("bhgd,bhgmd->bhgm", _unit(qg), _unit(keys - index.key_mean[layer][:, :, None]))
         u = collision_probability(cos, self.bits, self.tables, self.min_collisions)
         sampled = jnp.arange(idx.shape[-1]) >= e_idx.shape[-1]
         ok = jnp.concatenate([e_ok, s_ok], -1).reshape(idx.shape)
@@ -354,14 +354,12 @@ def _logits(q, kt, mask, middle):
 
 def _cosine(qg, kc):
     """Cosine between each query ``[b, h, m, d]`` and key ``[b, h, length, d]`` -> ``[b, h, m, length]``."""
-    qn = qg / jnp.maximum(jnp.linalg.norm(qg, axis=-1, keepdims=True), 1e-30)
-    kn = kc / jnp.maximum(jnp.linalg.norm(kc, axis=-1, keepdims=True), 1e-30)
-    return jnp.einsum("bhmd,bhkd->bhmk", qn, kn)
+    return jnp.einsum("bhmd,bhkd->bhmk", _unit(qg), _unit(kc))
 
 
 def _compact(keep, size: int) -> tuple[jax.Array, jax.Array]:
     """The first ``size`` True slots of each row of ``keep`` (bool ``[rows, n]``), in slot order: int32
-    ``[rows, size]`` slot ids (0 past the row's count) and bool ``[rows, size]`` which are real."""
+    ``[rows, size]`` slot ids (the last slot past the row's count) and bool ``[rows, size]`` which are real."""
     count = jnp.cumsum(keep, axis=-1, dtype=jnp.int32)             # the j-th True is where count first reaches j
     idx = jax.vmap(lambda c: jnp.searchsorted(c, jnp.arange(1, size + 1, dtype=jnp.int32), side="left"))(count)
     return jnp.minimum(idx, keep.shape[1] - 1).astype(jnp.int32), jnp.arange(size) < count[:, -1:]
