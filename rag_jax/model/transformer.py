@@ -6,6 +6,10 @@ One forward serves every method: explicit ``positions``, a structural mask (``ma
 ``KVSegment``s attended before the new tokens. Tensor layout follows HF (``rotate_half`` RoPE, no folded query scale) so checkpoint
 conversion is a rename plus transposes (``hf.py``). Parameters carry logical axis names
 (``vocab, embed, mlp, heads, kv_heads, head_dim, norm``) that ``rag_jax.sharding`` maps to mesh axes.
+
+Over 500 lines on purpose: the modules (norm, attention projections with their LoRA adapters, MLP, layer,
+model) and the two layer layouts (unrolled / stacked-and-scanned, ``to_scanned`` / ``to_unrolled``) share one
+parameter tree; splitting the layouts out would make ``Transformer`` and its relayout import each other.
 """
 from __future__ import annotations
 
