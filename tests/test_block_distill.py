@@ -179,6 +179,12 @@ def test_distill_trains_the_top_only_and_exports_a_loadable_model(tmp_path):
     assert np.array_equal(before["embedding"], after["embedding"])
     assert same_bottom(base.model, tuned, 1) is None                    # eval block_distill --tuned accepts it
     assert "below the top 1 layers" in same_bottom(base.model, _model(int(rng.integers(1 << 20))), 1)
+    # --tuned scores the tuned model through its own features: the same as its top over the base's features.
+    base_feats = DistillFeatures(base.model, 1).compute(examples, progress=False)
+    own = DistillFeatures(tuned, 1).compute(examples, progress=False)
+    for mode, key in (("block", "logp_block"), ("full", "logp_full")):
+        for got, f in zip(answer_logprobs(split_model(tuned, 1)[1], examples, base_feats, mode, batch_size=4), own):
+            np.testing.assert_allclose(got, f[key], atol=2e-5)
     again, resumed = distill(base, examples, cfg, tmp_path / "run")     # a finished run resumes at its end
     assert resumed.start_step == 3
     out = export_hf(base, tuned, tmp_path / "hf", prefix="sink")

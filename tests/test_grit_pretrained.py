@@ -73,3 +73,25 @@ def test_memo_json_computes_each_key_once(tmp_path):
     assert memo_json(path, ["c", "b"], compute) == ["CC", "BB"]
     assert calls == [["a", "b"], ["c"]]
     assert memo_json(None, ["x"], compute) == ["XX"]
+
+
+def test_memo_json_chunks_keep_what_finished_before_a_failure(tmp_path):
+    import random
+    n, chunk = random.randint(5, 12), random.randint(2, 4)
+    keys = [f"k{i}" for i in range(n)]
+    path, calls = tmp_path / "memo.json", []
+
+    def failing(todo):
+        calls.append(list(todo))
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return [k + "!" for k in todo]
+    with pytest.raises(RuntimeError):
+        memo_json(path, keys, failing, chunk=chunk)
+    assert calls == [keys[:chunk], keys[chunk:2 * chunk]]
+    calls.clear()
+    assert memo_json(path, keys, lambda todo: calls.append(list(todo)) or [k + "?" for k in todo], chunk=chunk) == \
+        [k + "!" for k in keys[:chunk]] + [k + "?" for k in keys[chunk:]]
+    assert calls == [keys[i:i + chunk] for i in range(chunk, n, chunk)]
+    with pytest.raises(ValueError, match="chunk=0"):
+        memo_json(path, keys, failing, chunk=0)

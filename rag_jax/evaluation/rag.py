@@ -185,20 +185,29 @@ def complete_replies(tokenizer, replies: Sequence[str], max_new_tokens: int) -> 
     return [len(tokenizer.encode(r, add_special_tokens=False).ids) < max_new_tokens for r in replies]
 
 
-def memo_json(path, keys: Sequence[str], compute) -> list:
+def memo_json(path, keys: Sequence[str], compute, chunk: int | None = None) -> list:
     """``compute(missing keys) -> values`` for the ``keys`` not yet in the JSON object at ``path`` (None: no file,
     compute all), stored there (written atomically) so a rerun does not recompute them; the values of ``keys``
-    in order."""
+    in order. ``chunk``: compute at most this many keys per call and store after each, so a long run cut short
+    keeps what it finished (None: one call).
+
+    Raises:
+      ValueError: ``chunk`` below 1.
+    """
     import json
     from pathlib import Path
 
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk={chunk}; valid: None or an integer >= 1")
     if path is None:
         return list(compute(list(keys)))
     path = Path(path)
     cache = json.loads(path.read_text()) if path.is_file() else {}
     todo = list(dict.fromkeys(k for k in keys if k not in cache))
-    if todo:
-        cache.update(zip(todo, compute(todo)))
+    step = chunk or max(1, len(todo))
+    for start in range(0, len(todo), step):
+        part = todo[start:start + step]
+        cache.update(zip(part, compute(part)))
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, json.dumps(cache, indent=0))
     return [cache[k] for k in keys]

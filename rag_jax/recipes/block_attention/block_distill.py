@@ -285,11 +285,12 @@ def main(argv=None) -> int:
             logp[f"{tuned_mode} (delta r{args.delta_rank})"] = answer_logprobs(with_delta, eval_rows, feats, "block")
             logp[f"full (delta r{args.delta_rank})"] = answer_logprobs(with_delta, eval_rows, feats, "full")
 
-    if tuned_loaded is not None:
-        feats = features_for(tuned_prefix).compute(eval_rows, desc="features (held-out rows)")
-        top = split_model(tuned_loaded.model, args.top_layers)[1]
-        logp[f"{tuned_mode} (tuned)"] = answer_logprobs(top, eval_rows, feats, "block")
-        logp["full (tuned)"] = answer_logprobs(top, eval_rows, feats, "full")
+    if tuned_loaded is not None:                              # its own features: cached per row, as the base's
+        tuned_rows = DistillFeatures(tuned_loaded.model, args.top_layers, prefix=tuned_prefix,
+                                     cache_dir=args.cache_dir / "features").compute(
+            eval_rows, desc="features (held-out rows, tuned model)")
+        logp[f"{tuned_mode} (tuned)"] = [f["logp_block"] for f in tuned_rows]
+        logp["full (tuned)"] = [f["logp_full"] for f in tuned_rows]
     ll = {name: answer_loglik(eval_rows, lp) for name, lp in logp.items()}
     base_gap = ll["full (base)"] - ll["block (base)"]
     rows, results = [], {}
@@ -365,7 +366,8 @@ def em_table(loaded, models: dict, examples, questions, rows, args) -> dict:
     the exact McNemar test against full attention of the ``"base"`` model; returns ``{condition: {"em",
     "only_this", "only_full_base", "p", "correct", "replies"}}`` (``replies``: the greedy answer strings). Replies are kept in
     ``<args.cache_dir>/em_replies.json``, keyed by a hash of the model's weights, the mode, the prompt and the
-    decoding settings: a rerun, or another run sharing a model and condition, generates nothing again."""
+    decoding settings, and stored every 8 batches: a rerun, or another run sharing a model and condition, generates
+    nothing again, and a run cut short keeps what it answered."""
 
     prompts = [[list(map(int, b)) for b in r.blocks] for r in rows]
     eos = tuple(loaded.eos_ids)
@@ -386,7 +388,8 @@ def em_table(loaded, models: dict, examples, questions, rows, args) -> dict:
         preds = memo_json(args.cache_dir / "em_replies.json", keys, lambda todo: generate_answers(
             BlockAttention(model, prefix=prefix, passage_temperature=t), loaded.tokenizer, [by_key[k] for k in todo],
             mode=mode,
-            max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size, eos_id=eos))
+            max_new_tokens=args.max_new_tokens, batch_size=args.em_batch_size, eos_id=eos),
+            chunk=8 * args.em_batch_size)
         correct[cond] = [bool(score_answer(pr, examples[i].answers, golds_are_set=False)["subspan_em"])
                          for pr, i in zip(preds, questions)]
         replies[cond] = list(preds)

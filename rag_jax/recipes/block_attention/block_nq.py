@@ -142,7 +142,8 @@ def own_reply_examples(loaded, rows, *, model_key: str, max_tokens: int, batch_s
 
     keys = [json.dumps([model_key, max_tokens, r.blocks]) for r in rows]
     replies = memo_json(cache, keys, lambda todo: greedy_replies(
-        loaded, loaded.model, [json.loads(k)[2] for k in todo], max_new_tokens=max_tokens, batch_size=batch_size))
+        loaded, loaded.model, [json.loads(k)[2] for k in todo], max_new_tokens=max_tokens, batch_size=batch_size),
+        chunk=8 * batch_size)
     ok = complete_replies(loaded.tokenizer, replies, max_tokens)
     out = [BlockExample(r.blocks, (*encode(loaded.tokenizer, t), *([loaded.eos_ids[0]] if k else [])))
            for r, t, k in zip(rows, replies, ok) if (k or keep_cut) and t.strip()]
