@@ -237,6 +237,40 @@ def test_gathered_sampling_equals_the_dense_evaluation_when_nothing_is_cut():
             bits=4, tables=8, seed=seed, bucket_size=128, max_sampled=128)))
 
 
+def test_sampled_slots_of_the_cpu_kernel_and_the_scatter_path_equal_a_numpy_count(monkeypatch):
+    """``_sampled_slots`` on CPU (the C++ kernel) and on other backends (scatter-add + compaction) against a NumPy
+    count from the raw codes: per table the first ``bucket_size`` slots of the query's bucket, keys with at least
+    ``min_collisions`` among ``keep``, the first ``max_sampled`` in slot order; with and without cuts."""
+    from rag_jax.model import cpu_kernel
+    if not cpu_kernel.available():
+        pytest.skip("the C++ kernels are not built here (no compiler)")
+    rng = np.random.default_rng()
+    b, h, g, n = 2, int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(20, 90))
+    bits, tables = int(rng.integers(1, 4)), int(rng.integers(3, 12))
+    k_codes = rng.integers(0, 2 ** bits, (b, h, n, tables)).astype(np.int32)
+    q_codes = rng.integers(0, 2 ** bits, (b, h, g, tables)).astype(np.int32)
+    keep = rng.random((b, n)) < 0.8
+    order, offsets = magicpig.bucket_tables(jnp.asarray(k_codes), bits)
+    for bucket_size, max_sampled, min_collisions in ((n, n, 1), (n, n, 2), (2, 3, 1),
+                                                     (int(rng.integers(1, n)), int(rng.integers(1, n)), 2)):
+        counts = np.zeros((b, h, g, n), int)
+        for bi, hi, gi, t in np.ndindex(b, h, g, tables):
+            counts[bi, hi, gi, np.flatnonzero(k_codes[bi, hi, :, t] == q_codes[bi, hi, gi, t])[:bucket_size]] += 1
+        want = (counts >= min_collisions) & keep[:, None, None, :]
+        cfg = MagicPIGDecode(bits=bits, tables=tables, min_collisions=min_collisions, bucket_size=bucket_size,
+                             max_sampled=max_sampled)
+        args = (jnp.asarray(q_codes), order, offsets, jnp.asarray(keep))
+        kernel = [np.asarray(x) for x in cfg._sampled_slots(*args)]
+        monkeypatch.setattr(magicpig.cpu_kernel, "available", lambda: False)
+        scatter = [np.asarray(x) for x in cfg._sampled_slots(*args)]
+        monkeypatch.undo()
+        for idx, ok in (kernel, scatter):
+            assert idx.shape == ok.shape == (b * h * g, min(max_sampled, n))
+            for r, w in enumerate(want.reshape(b * h * g, n)):
+                np.testing.assert_array_equal(idx[r][ok[r]], np.flatnonzero(w)[:max_sampled])
+                assert not ok[r][ok[r].sum():].any() and (idx[r][~ok[r]] == n - 1).all()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(bucket_size=8), "bucket_size=8 and max_sampled=0 must both be 0"), (dict(max_sampled=-1), "max_sampled=-1"),
     (dict(bits=0), "bits=0 must be an integer >= 1"), (dict(bits=31), "bits=31 must be <= 30"),

@@ -22,9 +22,9 @@ By default the sampling is evaluated densely (every middle key's collision count
 exact to the method's distribution, not its speed. With ``bucket_size`` / ``max_sampled`` the keys are put in
 bucket tables once (``prepare``: per table the slots sorted by bucket code and each bucket's offset, as the
 reference's host-side tables), and each decode step reads only the query's bucket in every table (at most
-``bucket_size`` slots each), counts collisions by a scatter over those slots, and gathers the sampled keys (at
-most ``max_sampled``) and the exact part's keys: its score and value work scales with the keys used, not the
-cache. Capacities that cut a bucket or the sample leave keys out (an estimate biased by the cut); at or above the
+``bucket_size`` slots each), counts collisions over those slots (on CPU a C++ kernel that touches only them,
+``cpu_kernel.lsh_sample``; elsewhere a scatter-add over the cache's slots), and gathers the sampled keys (at most
+``max_sampled``) and the exact part's keys: its score and value work scales with the keys used, not the cache. Capacities that cut a bucket or the sample leave keys out (an estimate biased by the cut); at or above the
 largest bucket and sample it equals the dense evaluation. Both policies plug into ``generate(...,
 decode_attention=...)`` over a plain cache and into ``memory.EMLLM(..., decode_attention=...)`` over EM-LLM's
 window and memory (``decode_logits``: hashed per step, since the retrieved memory changes).
@@ -39,6 +39,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from rag_jax.model import cpu_kernel
 from rag_jax.model.attention import attend_cache
 from rag_jax.model.blockwise import MASK_VALUE
 from rag_jax.model.kv import DecodeCache
@@ -148,29 +149,22 @@ class MagicPIGDecode:
 
     def _gathered(self, index: "LSHIndex", layer: int, q, kt, vt, mask):
         """``attend`` through the bucket tables: per query head, the slots of its bucket in each table (at most
-        ``bucket_size``), their collision counts (one scatter), the sampled middle keys (at most
-        ``max_sampled``) and the exact part (sinks, window, decoded tokens: ``index.exact_slots`` at most) gathered,
-        one softmax over both with ``- log u`` on the sampled."""
+        ``bucket_size``), their collision counts, the sampled middle keys (at most ``max_sampled``,
+        ``_sampled_slots``) and the exact part (sinks, window, decoded tokens: ``index.exact_slots`` at most)
+        gathered, one softmax over both with ``- log u`` on the sampled."""
         b, h, n, d = kt.shape
         qg = einops.rearrange(q, "b q (h g) d -> b h (g q) d", h=h).astype(jnp.float32)
         rows = b * h * qg.shape[2]
         order, offsets = index.tables[layer]                              # [b, h, L, n], [b, h, L, 2^K + 1]
-        code = simhash(qg, index.planes, self.bits)[..., None]            # [b, h, g, L, 1]
-        # gathers by index arrays (one gather each; take_along_axis would broadcast the tables over g first)
-        bi, hi = jnp.arange(b)[:, None, None, None, None], jnp.arange(h)[None, :, None, None, None]
-        li = jnp.arange(self.tables)[None, None, None, :, None]
-        start, end = offsets[bi, hi, li, code], offsets[bi, hi, li, code + 1]
-        slot = start + jnp.arange(min(self.bucket_size, n))               # [b, h, g, L, B]
-        ids = order[bi, hi, li, jnp.minimum(slot, n - 1)]
-        counts = jnp.zeros((rows, n), jnp.int32).at[jnp.arange(rows)[:, None], ids.reshape(rows, -1)].add(
-            (slot < end).reshape(rows, -1).astype(jnp.int32))
-        allowed = jnp.broadcast_to(mask[:, :, None, :], (b, h, qg.shape[2], n)).reshape(rows, n)
-        middle = jnp.broadcast_to(index.middle[:, None, None, :], (b, h, qg.shape[2], n)).reshape(rows, n)
-        s_idx, s_ok = _compact(allowed & middle & (counts >= self.min_collisions), min(self.max_sampled, n))
-        e_idx, e_ok = _compact(allowed & ~middle, min(index.exact_slots, n))
+        code = simhash(qg, index.planes, self.bits)                       # [b, h, g, L]
+        s_idx, s_ok = self._sampled_slots(code, order, offsets, mask[:, 0] & index.middle)
+        # the exact part is the same for every head of a batch row: compacted once per row, then broadcast
+        e_idx, e_ok = (jnp.broadcast_to(x[:, None, None], (b, h, qg.shape[2], x.shape[-1])).reshape(rows, -1)
+                       for x in _compact(mask[:, 0] & ~index.middle, min(index.exact_slots, n)))
         idx = jnp.concatenate([e_idx, s_idx], -1).reshape(b, h, qg.shape[2], -1)
-        keys = kt[bi[..., 0], hi[..., 0], idx].astype(jnp.float32)                         # [b, h, g, m, d]
-        values = vt[bi[..., 0], hi[..., 0], idx]
+        bi, hi = jnp.arange(b)[:, None, None, None], jnp.arange(h)[None, :, None, None]
+        keys = kt[bi, hi, idx].astype(jnp.float32)                                         # [b, h, g, m, d]
+        values = vt[bi, hi, idx]
         scores = jnp.einsum("bhgd,bhgmd->bhgm", qg, keys) * (d ** -0.5)
         cos = jnp.einsum("bhgd,bhgmd->bhgm", _unit(qg), _unit(keys - index.key_mean[layer][:, :, None]))
         u = collision_probability(cos, self.bits, self.tables, self.min_collisions)
@@ -180,6 +174,33 @@ class MagicPIGDecode:
         w = jax.nn.softmax(jnp.where(ok, logits, MASK_VALUE), axis=-1)
         out = jnp.einsum("bhgm,bhgmd->bhgd", w.astype(vt.dtype), values, preferred_element_type=jnp.float32)
         return einops.rearrange(out, "b h g d -> b 1 (h g) d").astype(q.dtype)
+
+
+    def _sampled_slots(self, codes, order, offsets, keep):
+        """The sampled slots of every query row, ``(idx int32, ok bool)`` ``[b * h * g, min(max_sampled, n)]``, the
+        first in slot order: the keys ``keep`` (bool ``[b, n]``) allows that share the query's bucket (``codes``
+        int32 ``[b, h, g, L]``) in at least ``min_collisions`` tables, reading at most ``bucket_size`` slots of
+        each bucket of the tables ``order`` / ``offsets``. On the CPU backend the C++ kernel
+        (``cpu_kernel.lsh_sample``: reads only the buckets); elsewhere a scatter-add of collision counts over all
+        ``n`` slots and a prefix-sum compaction (the same slots)."""
+        b, h, g, tables = codes.shape
+        n = order.shape[-1]
+        size, rows = min(self.max_sampled, n), b * h * g
+        if jax.default_backend() == "cpu" and cpu_kernel.available():
+            idx, count = cpu_kernel.lsh_sample(codes, order, offsets, keep, bucket_size=self.bucket_size,
+                                               max_sampled=size, min_collisions=self.min_collisions)
+            return idx, jnp.arange(size) < count[:, None]
+        # gathers by index arrays (one gather each; take_along_axis would broadcast the tables over g first)
+        bi, hi = jnp.arange(b)[:, None, None, None, None], jnp.arange(h)[None, :, None, None, None]
+        li = jnp.arange(tables)[None, None, None, :, None]
+        code = codes[..., None]                                           # [b, h, g, L, 1]
+        start, end = offsets[bi, hi, li, code], offsets[bi, hi, li, code + 1]
+        slot = start + jnp.arange(min(self.bucket_size, n))               # [b, h, g, L, B]
+        ids = order[bi, hi, li, jnp.minimum(slot, n - 1)]
+        counts = jnp.zeros((rows, n), jnp.int32).at[jnp.arange(rows)[:, None], ids.reshape(rows, -1)].add(
+            (slot < end).reshape(rows, -1).astype(jnp.int32))
+        keep = jnp.broadcast_to(keep[:, None, None, :], (b, h, g, n)).reshape(rows, n)
+        return _compact(keep & (counts >= self.min_collisions), size)
 
 
 @dataclasses.dataclass(frozen=True)

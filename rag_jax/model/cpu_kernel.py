@@ -1,5 +1,6 @@
 """The fused CPU kernels through ``jax.ffi``, built on first use: attention forward and backward
-(``cpu_attention.cc``) and the vocab head's softmax cross-entropy gradient (``cpu_xent.cc``).
+(``cpu_attention.cc``), the vocab head's softmax cross-entropy gradient (``cpu_xent.cc``) and MagicPIG's bucket
+sampling (``cpu_lsh.cc``).
 
 ``blockwise`` calls ``flash_forward`` / ``flash_backward`` for its two passes on the CPU backend when the kernels are
 available: the C++ sources are compiled once per machine with the system's C++ compiler (``$CXX``, else ``g++`` /
@@ -28,11 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.cc", "cpu_xent.cc"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.cc", "cpu_xent.cc", "cpu_lsh.cc"))
 HEADERS = (Path(__file__).with_name("cpu_simd.h"),)
 TARGET = "rag_jax_flash_forward"
 BWD_TARGET = "rag_jax_flash_backward"
 XENT_TARGET = "rag_jax_softmax_xent"
+LSH_TARGET = "rag_jax_lsh_sample"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 MODES = {"causal": 0, "bidirectional": 1, "block": 2}
 
@@ -86,6 +88,7 @@ def available() -> bool:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RagJaxFlashForward), platform="cpu")
     jax.ffi.register_ffi_target(BWD_TARGET, jax.ffi.pycapsule(lib.RagJaxFlashBackward), platform="cpu")
     jax.ffi.register_ffi_target(XENT_TARGET, jax.ffi.pycapsule(lib.RagJaxSoftmaxXent), platform="cpu")
+    jax.ffi.register_ffi_target(LSH_TARGET, jax.ffi.pycapsule(lib.RagJaxLshSample), platform="cpu")
     return True
 
 
@@ -138,3 +141,17 @@ def softmax_xent(logits, targets, weights):
                              vmap_method="sequential", input_output_aliases={0: 0})
     dlogits, stats = call(logits.astype(jnp.float32), targets.astype(jnp.int32), weights.astype(jnp.float32))
     return dlogits, stats[:, 0], stats[:, 1], stats[:, 2]
+
+
+def lsh_sample(codes, order, offsets, keep, *, bucket_size: int, max_sampled: int, min_collisions: int):
+    """MagicPIG's sampled slots per query row, ``(idx, count)``: int32 ``[b * h * g, max_sampled]`` the first
+    ``max_sampled`` slots (in slot order; padded with ``n - 1``) whose key shares the query's bucket in at least
+    ``min_collisions`` tables, reading at most ``bucket_size`` slots of each bucket, among those ``keep`` allows,
+    and int32 ``[b * h * g]`` how many are real. ``codes`` int32 ``[b, h, g, L]`` the queries' buckets,
+    ``order`` / ``offsets`` the bucket tables (``magicpig.bucket_tables``: ``[b, h, L, n]``, ``[b, h, L,
+    buckets + 1]``), ``keep`` bool ``[b, n]``. Needs ``available()``."""
+    b, h, g, _ = codes.shape
+    call = jax.ffi.ffi_call(LSH_TARGET, (jax.ShapeDtypeStruct((b * h * g, max_sampled), jnp.int32),
+                                         jax.ShapeDtypeStruct((b * h * g,), jnp.int32)), vmap_method="sequential")
+    return call(codes.astype(jnp.int32), order.astype(jnp.int32), offsets.astype(jnp.int32),
+                keep.astype(jnp.uint8), bucket_size=np.int64(bucket_size), min_collisions=np.int64(min_collisions))

@@ -1,4 +1,4 @@
-// Shared by the fused CPU kernels (cpu_attention.cc, cpu_xent.cc): 16-float vectors (GCC/Clang vector
+// Shared by the fused CPU kernels (cpu_attention.cc, cpu_xent.cc, cpu_lsh.cc): 16-float vectors (GCC/Clang vector
 // extensions: AVX-512, AVX2 or NEON as the compiler targets), a vectorized exp and the process's core count.
 #pragma once
 #include <algorithm>
