@@ -237,13 +237,10 @@ def test_gathered_sampling_equals_the_dense_evaluation_when_nothing_is_cut():
             bits=4, tables=8, seed=seed, bucket_size=128, max_sampled=128)))
 
 
-def test_sampled_slots_of_the_cpu_kernel_and_the_scatter_path_equal_a_numpy_count(monkeypatch):
-    """``_sampled_slots`` on CPU (the C++ kernel) and on other backends (scatter-add + compaction) against a NumPy
-    count from the raw codes: per table the first ``bucket_size`` slots of the query's bucket, keys with at least
-    ``min_collisions`` among ``keep``, the first ``max_sampled`` in slot order; with and without cuts."""
-    from rag_jax.model import cpu_kernel
-    if not cpu_kernel.available():
-        pytest.skip("the C++ kernels are not built here (no compiler)")
+def test_sampled_slots_equal_a_numpy_count():
+    """``_sampled_slots`` (scatter-add + compaction) against a NumPy count from the raw codes: per table the first
+    ``bucket_size`` slots of the query's bucket, keys with at least ``min_collisions`` among ``keep``, the first
+    ``max_sampled`` in slot order; with and without cuts."""
     rng = np.random.default_rng()
     b, h, g, n = 2, int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(20, 90))
     bits, tables = int(rng.integers(1, 4)), int(rng.integers(3, 12))
@@ -259,16 +256,39 @@ def test_sampled_slots_of_the_cpu_kernel_and_the_scatter_path_equal_a_numpy_coun
         want = (counts >= min_collisions) & keep[:, None, None, :]
         cfg = MagicPIGDecode(bits=bits, tables=tables, min_collisions=min_collisions, bucket_size=bucket_size,
                              max_sampled=max_sampled)
-        args = (jnp.asarray(q_codes), order, offsets, jnp.asarray(keep))
-        kernel = [np.asarray(x) for x in cfg._sampled_slots(*args)]
+        idx, ok = (np.asarray(x) for x in cfg._sampled_slots(jnp.asarray(q_codes), order, offsets,
+                                                             jnp.asarray(keep)))
+        assert idx.shape == ok.shape == (b * h * g, min(max_sampled, n))
+        for r, w in enumerate(want.reshape(b * h * g, n)):
+            np.testing.assert_array_equal(idx[r][ok[r]], np.flatnonzero(w)[:max_sampled])
+            assert not ok[r][ok[r].sum():].any()
+
+
+def test_cpu_kernel_step_equals_the_jax_gathered_path(monkeypatch):
+    """On CPU the bucket-table step runs as one C++ kernel (``cpu_kernel.lsh_attend``); the JAX path (tested equal
+    to the dense evaluation above) is the reference: the same output with and without capacity cuts, GQA groups,
+    a row whose mask hides part of its prompt."""
+    from rag_jax.model import cpu_kernel
+    if not cpu_kernel.available():
+        pytest.skip("the C++ kernels are not built here (no compiler)")
+    rng = np.random.default_rng()
+    length = int(rng.integers(64, 160))
+    q, cache, mask, filled = _case(rng, b=2, kv_heads=2, heads=int(rng.choice([2, 4, 6])), length=length,
+                                   d=int(rng.choice([16, 32])), filled=int(rng.integers(40, length)))
+    mask = mask.at[1, 0, filled - int(rng.integers(1, 20)):].set(False)
+    seed = int(rng.integers(1000))
+    for bits, tables, mc, bucket_size, max_sampled in ((2, 6, 2, length, length), (4, 12, 1, length, length),
+                                                       (3, 10, 2, 3, 5), (int(rng.integers(1, 6)),
+                                                        int(rng.integers(2, 20)), 2, int(rng.integers(1, 40)),
+                                                        int(rng.integers(1, 40)))):
+        cfg = MagicPIGDecode(bits=bits, tables=tables, min_collisions=mc, sink_tokens=3, local_tokens=5, seed=seed,
+                             bucket_size=bucket_size, max_sampled=max_sampled)
+        index = cfg.prepare(cache, filled)
+        got = np.asarray(cfg.attend(index, 0, q, cache.k[0], cache.v[0], mask))
         monkeypatch.setattr(magicpig.cpu_kernel, "available", lambda: False)
-        scatter = [np.asarray(x) for x in cfg._sampled_slots(*args)]
+        want = np.asarray(cfg.attend(index, 0, q, cache.k[0], cache.v[0], mask))
         monkeypatch.undo()
-        for idx, ok in (kernel, scatter):
-            assert idx.shape == ok.shape == (b * h * g, min(max_sampled, n))
-            for r, w in enumerate(want.reshape(b * h * g, n)):
-                np.testing.assert_array_equal(idx[r][ok[r]], np.flatnonzero(w)[:max_sampled])
-                assert not ok[r][ok[r].sum():].any() and (idx[r][~ok[r]] == n - 1).all()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kwargs,match", [

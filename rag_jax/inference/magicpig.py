@@ -22,9 +22,11 @@ By default the sampling is evaluated densely (every middle key's collision count
 exact to the method's distribution, not its speed. With ``bucket_size`` / ``max_sampled`` the keys are put in
 bucket tables once (``prepare``: per table the slots sorted by bucket code and each bucket's offset, as the
 reference's host-side tables), and each decode step reads only the query's bucket in every table (at most
-``bucket_size`` slots each), counts collisions over those slots (on CPU a C++ kernel that touches only them,
-``cpu_kernel.lsh_sample``; elsewhere a scatter-add over the cache's slots), and gathers the sampled keys (at most
-``max_sampled``) and the exact part's keys: its score and value work scales with the keys used, not the cache. Capacities that cut a bucket or the sample leave keys out (an estimate biased by the cut); at or above the
+``bucket_size`` slots each), counts collisions over those slots, and reads only the sampled keys (at most
+``max_sampled``) and the exact part's keys: its score and value work scales with the keys used, not the cache. On
+CPU (float32 caches) one C++ kernel does the whole step (``cpu_kernel.lsh_attend``: counts in a per-thread array
+touched only at the bucket slots, scores, inclusion probabilities and softmax over the keys read); elsewhere JAX
+(a scatter-add over the cache's slots for the counts, then gathers). Capacities that cut a bucket or the sample leave keys out (an estimate biased by the cut); at or above the
 largest bucket and sample it equals the dense evaluation. Both policies plug into ``generate(...,
 decode_attention=...)`` over a plain cache and into ``memory.EMLLM(..., decode_attention=...)`` over EM-LLM's
 window and memory (``decode_logits``: hashed per step, since the retrieved memory changes).
@@ -157,6 +159,13 @@ class MagicPIGDecode:
         rows = b * h * qg.shape[2]
         order, offsets = index.tables[layer]                              # [b, h, L, n], [b, h, L, 2^K + 1]
         code = simhash(qg, index.planes, self.bits)                       # [b, h, g, L]
+        if (jax.default_backend() == "cpu" and kt.dtype == vt.dtype == jnp.float32 and d % 16 == 0
+                and cpu_kernel.available()):
+            out = cpu_kernel.lsh_attend(qg, kt, vt, index.key_mean[layer], code, order, offsets,
+                                        mask[:, 0] & index.middle, mask[:, 0] & ~index.middle,
+                                        bucket_size=self.bucket_size, max_sampled=min(self.max_sampled, n),
+                                        min_collisions=self.min_collisions, bits=self.bits)
+            return einops.rearrange(out, "b h g d -> b 1 (h g) d").astype(q.dtype)
         s_idx, s_ok = self._sampled_slots(code, order, offsets, mask[:, 0] & index.middle)
         # the exact part is the same for every head of a batch row: compacted once per row, then broadcast
         e_idx, e_ok = (jnp.broadcast_to(x[:, None, None], (b, h, qg.shape[2], x.shape[-1])).reshape(rows, -1)
@@ -180,16 +189,11 @@ class MagicPIGDecode:
         """The sampled slots of every query row, ``(idx int32, ok bool)`` ``[b * h * g, min(max_sampled, n)]``, the
         first in slot order: the keys ``keep`` (bool ``[b, n]``) allows that share the query's bucket (``codes``
         int32 ``[b, h, g, L]``) in at least ``min_collisions`` tables, reading at most ``bucket_size`` slots of
-        each bucket of the tables ``order`` / ``offsets``. On the CPU backend the C++ kernel
-        (``cpu_kernel.lsh_sample``: reads only the buckets); elsewhere a scatter-add of collision counts over all
-        ``n`` slots and a prefix-sum compaction (the same slots)."""
+        each bucket of the tables ``order`` / ``offsets`` (a scatter-add of collision counts over the ``n`` slots
+        and a prefix-sum compaction)."""
         b, h, g, tables = codes.shape
         n = order.shape[-1]
         size, rows = min(self.max_sampled, n), b * h * g
-        if jax.default_backend() == "cpu" and cpu_kernel.available():
-            idx, count = cpu_kernel.lsh_sample(codes, order, offsets, keep, bucket_size=self.bucket_size,
-                                               max_sampled=size, min_collisions=self.min_collisions)
-            return idx, jnp.arange(size) < count[:, None]
         # gathers by index arrays (one gather each; take_along_axis would broadcast the tables over g first)
         bi, hi = jnp.arange(b)[:, None, None, None, None], jnp.arange(h)[None, :, None, None, None]
         li = jnp.arange(tables)[None, None, None, :, None]

@@ -1,6 +1,6 @@
 """The fused CPU kernels through ``jax.ffi``, built on first use: attention forward and backward
-(``cpu_attention.cc``), the vocab head's softmax cross-entropy gradient (``cpu_xent.cc``) and MagicPIG's bucket
-sampling (``cpu_lsh.cc``).
+(``cpu_attention.cc``), the vocab head's softmax cross-entropy gradient (``cpu_xent.cc``) and MagicPIG's decode
+attention over bucket tables (``cpu_lsh.cc``).
 
 ``blockwise`` calls ``flash_forward`` / ``flash_backward`` for its two passes on the CPU backend when the kernels are
 available: the C++ sources are compiled once per machine with the system's C++ compiler (``$CXX``, else ``g++`` /
@@ -34,7 +34,7 @@ HEADERS = (Path(__file__).with_name("cpu_simd.h"),)
 TARGET = "rag_jax_flash_forward"
 BWD_TARGET = "rag_jax_flash_backward"
 XENT_TARGET = "rag_jax_softmax_xent"
-LSH_TARGET = "rag_jax_lsh_sample"
+LSH_TARGET = "rag_jax_lsh_attend"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 MODES = {"causal": 0, "bidirectional": 1, "block": 2}
 
@@ -88,7 +88,7 @@ def available() -> bool:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RagJaxFlashForward), platform="cpu")
     jax.ffi.register_ffi_target(BWD_TARGET, jax.ffi.pycapsule(lib.RagJaxFlashBackward), platform="cpu")
     jax.ffi.register_ffi_target(XENT_TARGET, jax.ffi.pycapsule(lib.RagJaxSoftmaxXent), platform="cpu")
-    jax.ffi.register_ffi_target(LSH_TARGET, jax.ffi.pycapsule(lib.RagJaxLshSample), platform="cpu")
+    jax.ffi.register_ffi_target(LSH_TARGET, jax.ffi.pycapsule(lib.RagJaxLshAttend), platform="cpu")
     return True
 
 
@@ -143,15 +143,19 @@ def softmax_xent(logits, targets, weights):
     return dlogits, stats[:, 0], stats[:, 1], stats[:, 2]
 
 
-def lsh_sample(codes, order, offsets, keep, *, bucket_size: int, max_sampled: int, min_collisions: int):
-    """MagicPIG's sampled slots per query row, ``(idx, count)``: int32 ``[b * h * g, max_sampled]`` the first
-    ``max_sampled`` slots (in slot order; padded with ``n - 1``) whose key shares the query's bucket in at least
-    ``min_collisions`` tables, reading at most ``bucket_size`` slots of each bucket, among those ``keep`` allows,
-    and int32 ``[b * h * g]`` how many are real. ``codes`` int32 ``[b, h, g, L]`` the queries' buckets,
-    ``order`` / ``offsets`` the bucket tables (``magicpig.bucket_tables``: ``[b, h, L, n]``, ``[b, h, L,
-    buckets + 1]``), ``keep`` bool ``[b, n]``. Needs ``available()``."""
-    b, h, g, _ = codes.shape
-    call = jax.ffi.ffi_call(LSH_TARGET, (jax.ShapeDtypeStruct((b * h * g, max_sampled), jnp.int32),
-                                         jax.ShapeDtypeStruct((b * h * g,), jnp.int32)), vmap_method="sequential")
-    return call(codes.astype(jnp.int32), order.astype(jnp.int32), offsets.astype(jnp.int32),
-                keep.astype(jnp.uint8), bucket_size=np.int64(bucket_size), min_collisions=np.int64(min_collisions))
+def lsh_attend(q, k, v, key_mean, codes, order, offsets, keep, exact, *, bucket_size: int, max_sampled: int,
+               min_collisions: int, bits: int):
+    """MagicPIG's decode attention over bucket tables (``MagicPIGDecode`` with ``bucket_size`` / ``max_sampled``),
+    float32 ``[b, h, g, d]``: per query row (q float32 ``[b, h, g, d]``, unscaled) the slots ``keep`` (bool ``[b, n]``)
+    allows whose key shares the query's bucket (``codes`` int32 ``[b, h, g, L]``) in at least ``min_collisions``
+    tables, reading at most ``bucket_size`` slots of each bucket of the tables ``order`` / ``offsets``
+    (``magicpig.bucket_tables``), the first ``max_sampled`` in slot order, and every ``exact`` slot (bool ``[b, n]``)
+    in one softmax over ``q.k / sqrt(d)``, minus ``log u`` on the sampled (``u`` their inclusion probability at
+    the cosine to the key centred by ``key_mean`` float32 ``[b, h, 1, d]``); k / v float32 ``[b, h, n, d]``, ``d`` a
+    multiple of 16. A row with no key gives zeros. Needs ``available()``."""
+    call = jax.ffi.ffi_call(LSH_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    return call(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, key_mean)),
+                *(jnp.asarray(x, jnp.int32) for x in (codes, order, offsets)),
+                *(jnp.asarray(x, jnp.uint8) for x in (keep, exact)),
+                bucket_size=np.int64(bucket_size), max_sampled=np.int64(max_sampled),
+                min_collisions=np.int64(min_collisions), bits=np.int64(bits))
