@@ -16,7 +16,8 @@ depths ``(i + 0.5) / samples``) the prompt is prefilled once (exact attention) a
    key's collision count and score; ``magicpig`` module doc) unless ``--gather F``: then the first setting also
    runs through bucket tables (``MagicPIGDecode(bucket_size, max_sampled)``: each query reads its bucket in every
    table, at most F times the mean bucket ``length / 2^K``, and gathers at most F times the mean number of keys
-   the dense evaluation sampled), its accuracy and decode ms/token reported as ``magicpig K:L gathered``.
+   the dense evaluation sampled; on CPU one C++ kernel per layer and step, ``cpu_kernel.lsh_attend``), its
+   accuracy and decode ms/token reported as ``magicpig K:L gathered``.
 
 Over the plain cache the first reply token comes from the exact prefill; MagicPIG and TopK act from the second on.
 
