@@ -115,7 +115,8 @@ def test_default_long_tiles_forward_and_retiled_backward_equal_dense():
     (val_d, g_dense), (val_b, g_block) = (_grads(f, q, k, v, ct) for f in (
         lambda q, k, v: attend(q, k, v, spec, impl="dense"),
         lambda q, k, v: blockwise_attention(q, k, v, spec)[0]))
-    np.testing.assert_allclose(val_b, val_d, rtol=1e-5)
+    # the value is a float32 sum of ~1e5 terms of either sign (rounding ~1e-5 seen on a value ~0.5): absolute
+    np.testing.assert_allclose(val_b, val_d, atol=1e-4, rtol=0)
     for a, b in zip(g_block, g_dense):
         assert float(jnp.abs(b).max()) > 1e-3
         np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
