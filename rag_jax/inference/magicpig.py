@@ -26,8 +26,9 @@ reference's host-side tables), and each decode step reads only the query's bucke
 ``max_sampled``) and the exact part's keys: its score and value work scales with the keys used, not the cache. On
 CPU (float32 caches) one C++ kernel does the whole step (``cpu_kernel.lsh_attend``: counts in a per-thread array
 touched only at the bucket slots, scores, inclusion probabilities and softmax over the keys read); elsewhere JAX
-(a scatter-add over the cache's slots for the counts, then gathers). Capacities that cut a bucket or the sample leave keys out (an estimate biased by the cut); at or above the
-largest bucket and sample it equals the dense evaluation. Both policies plug into ``generate(...,
+(a scatter-add over the cache's slots for the counts, then gathers). Capacities that cut a bucket or the sample
+leave keys out (an estimate biased by the cut); at or above the largest bucket and sample it equals the dense
+evaluation. Both policies plug into ``generate(...,
 decode_attention=...)`` over a plain cache and into ``memory.EMLLM(..., decode_attention=...)`` over EM-LLM's
 window and memory (``decode_logits``: hashed per step, since the retrieved memory changes).
 """
@@ -183,7 +184,6 @@ class MagicPIGDecode:
         w = jax.nn.softmax(jnp.where(ok, logits, MASK_VALUE), axis=-1)
         out = jnp.einsum("bhgm,bhgmd->bhgd", w.astype(vt.dtype), values, preferred_element_type=jnp.float32)
         return einops.rearrange(out, "b h g d -> b 1 (h g) d").astype(q.dtype)
-
 
     def _sampled_slots(self, codes, order, offsets, keep):
         """The sampled slots of every query row, ``(idx int32, ok bool)`` ``[b * h * g, min(max_sampled, n)]``, the

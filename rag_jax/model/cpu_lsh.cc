@@ -22,6 +22,7 @@ struct Tables {
 
 struct Scratch {
   std::vector<int32_t> hits, touched, found;
+  std::vector<float> logits;
   explicit Scratch(int64_t n) : hits(n, 0) {}
 };
 
@@ -130,7 +131,8 @@ static ffi::Error LshAttend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ff
     const float qn = std::max(std::sqrt(sum16(qq)), 1e-30f);
     const size_t ne = ex.size(), ns = s.found.size();
     auto slot = [&](size_t i) { return i < ne ? ex[i] : s.found[i - ne]; };
-    std::vector<float> logits(ne + ns);
+    std::vector<float>& logits = s.logits;  // reused across the thread's rows
+    logits.resize(ne + ns);
     for (size_t i = 0; i < ne + ns; ++i) {
       if (i + PF < ne + ns) prefetch(kh + slot(i + PF) * D);
       const float* kr = kh + slot(i) * D;
