@@ -212,3 +212,26 @@ def test_jit_functional_forward_matches_eager(model):
 
     np.testing.assert_allclose(np.asarray(fwd(state, tokens)), np.asarray(model(tokens, pos, seg).logits),
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
+def test_kv_concatenate_equals_numpy_on_the_host_path_and_the_xla_path(dtype, monkeypatch):
+    """``kv.concatenate``: the host copy (CPU, concrete, >= HOST_CONCAT_BYTES) and XLA's concatenate give NumPy's
+    values; the host result is 64-byte aligned, usable under jit and after donation."""
+    from rag_jax.model import kv
+    rng = np.random.default_rng()
+    lengths = rng.integers(1, 40, size=rng.integers(2, 6))
+    parts = [rng.standard_normal((3, 1, int(n), 2, 16)).astype(np.float32) * 100 for n in lengths]
+    parts = [p.astype(jnp.dtype(dtype)) for p in parts]
+    want = np.concatenate([np.asarray(p) for p in parts], axis=2)
+    for limit in (0, 1 << 40):                       # 0: every call takes the host path; huge: XLA's
+        monkeypatch.setattr(kv, "HOST_CONCAT_BYTES", limit)
+        got = kv.concatenate([jnp.asarray(p) for p in parts], axis=2)
+        assert got.dtype == jnp.dtype(dtype) and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), want)
+        if limit == 0 and dtype != "bfloat16":       # bfloat16 is not NumPy's own dtype: XLA path
+            assert got.unsafe_buffer_pointer() % 64 == 0
+        doubled = jax.jit(lambda x: x * 2, donate_argnums=0)(got)
+        np.testing.assert_array_equal(np.asarray(doubled), want * 2)
+    traced = jax.jit(lambda xs: kv.concatenate(xs, axis=2))([jnp.asarray(p) for p in parts])
+    np.testing.assert_array_equal(np.asarray(traced), want)

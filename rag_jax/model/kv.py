@@ -12,8 +12,39 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rag_jax.model.rope import rope_angles, rotate
+
+
+HOST_CONCAT_BYTES = 1 << 20  # smaller concatenations stay in XLA (a host copy saves nothing there)
+
+
+def concatenate(arrays, axis: int) -> jax.Array:
+    """``jnp.concatenate(arrays, axis)``; on the CPU backend, for concrete arrays on its first device, a NumPy copy
+    into a 64-byte-aligned buffer that JAX then reads without a copy (``jnp.from_dlpack``).
+
+    XLA:CPU's concatenate copies at about a quarter of memcpy's rate (10 passage blocks of SmolLM2 keys, 69 MB:
+    36 ms against 8 ms on 2 cores), and Block-Attention assembles every request's cache this way (issue 28). Traced
+    arrays, other devices, sharded arrays, dtypes outside NumPy's own (bfloat16) and concatenations under
+    ``HOST_CONCAT_BYTES`` take the XLA path; both give the same values.
+    """
+    arrays = list(arrays)
+    first = arrays[0]
+    if (any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in arrays)
+            or np.dtype(first.dtype).isbuiltin != 1 or sum(x.nbytes for x in arrays) < HOST_CONCAT_BYTES):
+        return jnp.concatenate(arrays, axis=axis)
+    device = jax.local_devices(backend="cpu")[0] if jax.default_backend() == "cpu" else None
+    if device is None or any(x.dtype != first.dtype or x.devices() != {device} for x in arrays):
+        return jnp.concatenate(arrays, axis=axis)
+    shape = list(first.shape)
+    shape[axis] = sum(x.shape[axis] for x in arrays)
+    size, itemsize = int(np.prod(shape)), np.dtype(first.dtype).itemsize
+    raw = np.empty(size * itemsize + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start:start + size * itemsize].view(first.dtype).reshape(shape)
+    np.concatenate([np.asarray(x) for x in arrays], axis=axis, out=out)
+    return jnp.from_dlpack(out)
 
 
 @flax.struct.dataclass
@@ -62,8 +93,8 @@ class KVSegment:
         if len(segments) == 1:
             return segments[0]
         return KVSegment(
-            k=jnp.concatenate([s.k for s in segments], axis=2),
-            v=jnp.concatenate([s.v for s in segments], axis=2),
+            k=concatenate([s.k for s in segments], axis=2),
+            v=concatenate([s.v for s in segments], axis=2),
             positions=jnp.concatenate([s.positions for s in segments], axis=1),
             segment_ids=jnp.concatenate([s.segment_ids for s in segments], axis=1),
         )
