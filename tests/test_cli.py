@@ -233,6 +233,7 @@ BAD_SCRIPT_INPUT = [
     ("bench", "ttft", ["--dtype", "int8"], "--dtype"),
     ("bench", "ttft", ["--model", "no-such-model"], "--model"),
     ("bench", "ttft", ["--last_len", "-1"], "--last_len"),
+    ("bench", "ttft", ["--rounds", "0"], "--rounds"),
     ("bench", "ttft", ["--sizes", "40", "--last_len", "50"], "--sizes"),
     ("bench", "accelerator", ["--steps", "nosuch", "--out", "{tmp}/a.json"], "--steps"),
     ("bench", "accelerator", ["--out", "{tmp}/a.json"], "--cpu-smoke"),          # the full run needs a GPU

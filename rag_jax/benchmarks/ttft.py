@@ -22,6 +22,8 @@ attended (query, key) pair. ``% bound`` = measured speedup / FLOP bound.
     rag-jax bench ttft --preset llama3.2-1b --dtype bfloat16 --sizes 32768 --no_hf   # one H200
     rag-jax bench ttft --model smollm2-135m-instruct --block_len 300 --sizes 1250,3050   # real weights:
         # 4 / 10 passages of 300 tokens + a 50-token question (issue 17 item 2)
+    rag-jax bench ttft --model smollm2-135m-instruct --block_len 300 --sizes 3050 --threads 2 --rounds 3
+        # the issue-28 row: three rounds of every measurement in turn, per-round ratios printed
 
 Each measurement runs in its own loop (steady state, as a server answering requests of one kind):
 interleaving a full prefill, which touches gigabytes, between block prefills slowed the latter by ~1.6x at
@@ -110,6 +112,9 @@ def main(argv=None) -> int:
     add_model_dims(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=integer(1), default=5, help="timed runs per measurement (median reported)")
+    p.add_argument("--rounds", type=integer(1), default=1,
+                   help="rounds of every measurement in turn (a drift of the machine's speed reaches all alike); "
+                        "a column is the median over rounds, the per-round block / HF prefix ratios are printed")
     p.add_argument("--no_hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--pad_multiple", type=integer(1), default=1,
                    help="BlockAttention shape padding (tokens); 1 = exact lengths (the sizes here are fixed)")
@@ -167,8 +172,14 @@ def main(argv=None) -> int:
         fns = {"block": lambda: run("block"), "full": lambda: run("full")}
         if hf is not None:
             fns.update(hf_functions(hf, blocks))
-        ms = {name: median_ms(fn, args.repeats, clock=clock) for name, fn in fns.items()}
-        assert store.stats["hits"] - hits == (args.repeats + 1) * (len(blocks) - 1), "caches were not warm"
+        rounds = [{name: median_ms(fn, args.repeats, clock=clock) for name, fn in fns.items()}
+                  for _ in range(args.rounds)]
+        ms = {name: float(np.median([r[name] for r in rounds])) for name in fns}
+        assert store.stats["hits"] - hits == args.rounds * (args.repeats + 1) * (len(blocks) - 1), \
+            "caches were not warm"
+        if hf is not None and args.rounds > 1:
+            print(f"  {total} tokens, block / hf prefix per round: "
+                  + " ".join(f"{r['hf_prefix'] / r['block']:.2f}x" for r in rounds), flush=True)
         bound = prefill_flops(cfg, total, 0) / prefill_flops(cfg, args.last_len, total - args.last_len)
         row = dict(total=total, blocks=len(blocks), full_ms=ms["full"], block_ms=ms["block"],
                    speedup=ms["full"] / ms["block"], bound=bound)

@@ -22,7 +22,7 @@ struct Tables {
 
 struct Scratch {
   std::vector<int32_t> hits, touched, found;
-  std::vector<float> logits;
+  std::vector<float> logits, cosines;
   explicit Scratch(int64_t n) : hits(n, 0) {}
 };
 
@@ -63,26 +63,88 @@ static void over_rows(const Tables& T, int64_t R, F&& row) {
   });
 }
 
-// P[Binomial(L, r) >= m], r = (1 - arccos(cos) / pi)^bits, as magicpig.collision_probability, in float32 as
-// there; log_choose[j] = log C(L, j) for j <= m, ratio[j] = (L - j) / (j + 1) for j < L.
-static float inclusion(float cos, int64_t bits, int64_t L, int64_t m, const float* log_choose, const float* ratio) {
-  const float p = 1.f - std::acos(std::min(1.f, std::max(-1.f, cos))) / (float)M_PI;
-  const float log_r = (float)bits * std::log(p), r = std::exp(log_r), log_1mr = std::log1p(-r);
-  if (L * r >= m) {
-    float lower = 0.f;
-    for (int64_t j = 0; j < m; ++j) lower += std::exp(log_choose[j] + j * log_r + (L - j) * log_1mr);
-    return 1.f - lower;
-  }
-  // the upper tail from its first term; the terms shrink geometrically here, so stop once they are below 1e-9
-  // of the sum (JAX sums a fixed 16 + 4 sqrt(L) terms: the same to float32 rounding)
-  const float odds = r / (1.f - r);
-  float term = 1.f, series = 1.f;
+// sqrt, log and arccos of 16 floats, for the inclusion probabilities below (Cephes sqrtf / logf / acosf: relative
+// error ~1e-7, as the scalar functions to float32 rounding).
+static inline v16 vsqrt(v16 x) {  // x >= 0
+#if defined(__AVX512F__)
+  return (v16)_mm512_sqrt_ps((__m512)x);
+#else
+  v16 r;
+  for (int i = 0; i < 16; ++i) r[i] = __builtin_sqrtf(x[i]);
+  return r;
+#endif
+}
+
+// log(x) for x in [FLT_MIN, FLT_MAX]: x = m 2^e with m in [sqrt(1/2), sqrt(2)), a degree-8 polynomial in m - 1.
+static inline v16 vlog(v16 x) {
+  vi16 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  vi16 e = ((bits >> 23) & 0xff) - 126;  // x = f 2^e, f in [0.5, 1)
+  bits = (bits & 0x007fffff) | 0x3f000000;
+  v16 f;
+  std::memcpy(&f, &bits, sizeof(f));
+  const vi16 small = f < 0.70710678118654752f;  // -1 there: f doubled, e - 1
+  e = e + small;
+  const v16 t = f - 1.f + (small ? f : v16{}), z = t * t, ef = __builtin_convertvector(e, v16);
+  v16 y = t * 7.0376836292e-2f - 1.1514610310e-1f;
+  y = y * t + 1.1676998740e-1f;
+  y = y * t - 1.2420140846e-1f;
+  y = y * t + 1.4249322787e-1f;
+  y = y * t - 1.6668057665e-1f;
+  y = y * t + 2.0000714765e-1f;
+  y = y * t - 2.4999993993e-1f;
+  y = y * t + 3.3333331174e-1f;
+  y = y * t * z - 2.12194440e-4f * ef - 0.5f * z;
+  return t + y + 0.693359375f * ef;
+}
+
+// arccos(x) for x in [-1, 1]: arcsin's odd polynomial on |x| <= 1/2, else arccos|x| = 2 arcsin(sqrt((1 - |x|) / 2)).
+static inline v16 vacos(v16 x) {
+  const v16 a = x < 0.f ? -x : x;
+  const vi16 big = a > 0.5f;
+  const v16 s = big ? vsqrt(0.5f * (1.f - a)) : x, z = s * s;
+  v16 y = z * 4.2163199048e-2f + 2.4181311049e-2f;
+  y = y * z + 4.5470025998e-2f;
+  y = y * z + 7.4953002686e-2f;
+  y = y * z + 1.6666752422e-1f;
+  const v16 asin = y * z * s + s;
+  const float pi = (float)M_PI;
+  return big ? (x < 0.f ? pi - 2.f * asin : 2.f * asin) : pi / 2 - asin;
+}
+
+static inline bool any(vi16 c) {
+  int32_t t = 0;
+  for (int i = 0; i < 16; ++i) t |= c[i];
+  return t != 0;
+}
+
+// log P[Binomial(L, r) >= m], r = (1 - arccos(cos) / pi)^bits, for 16 cosines, as magicpig.collision_probability
+// in float32, clamped below at log FLT_MIN (the scalar exp, then log of max(u, FLT_MIN)); log_choose[j] =
+// log C(L, j) for j <= m, ratio[j] = (L - j) / (j + 1) for j < L. Where L r >= m, 1 - the lower tail; elsewhere
+// the upper tail from its first term (in log space) while any lane's terms are above 1e-9 of its sum (JAX sums a
+// fixed 16 + 4 sqrt(L) terms: the same to float32 rounding).
+static v16 log_inclusion(v16 cos, int64_t bits, int64_t L, int64_t m, const float* log_choose, const float* ratio) {
+  cos = cos < -1.f ? v16{} - 1.f : cos;
+  cos = cos > 1.f ? v16{} + 1.f : cos;
+  v16 p = 1.f - vacos(cos) / (float)M_PI;
+  p = p < FLT_MIN ? v16{} + FLT_MIN : p;
+  const v16 log_r = (float)bits * vlog(p), r = vexp(log_r), u = 1.f - r;
+  const v16 log_1mr = u == 1.f ? -r : vlog(u < FLT_MIN ? v16{} + FLT_MIN : u) * -r / (u - 1.f);  // log1p(-r)
+  const vi16 lower_tail = (float)L * r >= (float)m;
+  v16 lower{};
+  for (int64_t j = 0; j < m; ++j) lower += vexp(log_choose[j] + (float)j * log_r + (float)(L - j) * log_1mr);
+  const v16 odds = lower_tail ? v16{} : r / u;
+  v16 term = v16{} + 1.f, series = term;
   for (int64_t j = m, end = std::min<int64_t>(L, m + 16 + 4 * (int64_t)std::sqrt((double)L) + 1); j < end; ++j) {
     term *= ratio[j] * odds;
     series += term;
-    if (term < 1e-9f * series) break;
+    if (!any(term >= 1e-9f * series)) break;
   }
-  return std::exp(log_choose[m] + m * log_r + (L - m) * log_1mr) * series;
+  const v16 one_minus = 1.f - lower;
+  v16 out = lower_tail ? vlog(one_minus < FLT_MIN ? v16{} + FLT_MIN : one_minus)
+                       : log_choose[m] + (float)m * log_r + (float)(L - m) * log_1mr + vlog(series);
+  const float floor = std::log(FLT_MIN);
+  return out < floor ? v16{} + floor : out;
 }
 
 static ffi::Error LshAttend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
@@ -133,6 +195,7 @@ static ffi::Error LshAttend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ff
     auto slot = [&](size_t i) { return i < ne ? ex[i] : s.found[i - ne]; };
     std::vector<float>& logits = s.logits;  // reused across the thread's rows
     logits.resize(ne + ns);
+    s.cosines.assign(ns + 16, 0.f);  // a whole vector past the last
     for (size_t i = 0; i < ne + ns; ++i) {
       if (i + PF < ne + ns) prefetch(kh + slot(i + PF) * D);
       const float* kr = kh + slot(i) * D;
@@ -144,11 +207,13 @@ static ffi::Error LshAttend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ff
         cc += c * c;
       }
       logits[i] = sum16(qk) * scale;
-      if (i >= ne) {  // sampled: minus log of its inclusion probability at the centred key's cosine
-        const float u = inclusion(sum16(qc) / (qn * std::max(std::sqrt(sum16(cc)), 1e-30f)), bits, L,
-                                  min_collisions, log_choose.data(), ratio.data());
-        logits[i] -= std::log(std::max(u, FLT_MIN));
-      }
+      if (i >= ne) s.cosines[i - ne] = sum16(qc) / (qn * std::max(std::sqrt(sum16(cc)), 1e-30f));  // centred key
+    }
+    // sampled keys: minus the log of their inclusion probability, 16 at a time
+    for (size_t i = 0; i < ns; i += 16) {
+      const v16 log_u = log_inclusion(load(s.cosines.data() + i), bits, L, min_collisions, log_choose.data(),
+                                      ratio.data());
+      for (size_t j = 0; j < std::min<size_t>(16, ns - i); ++j) logits[ne + i + j] -= log_u[j];
     }
     float mx = -INFINITY;
     for (float x : logits) mx = std::max(mx, x);
