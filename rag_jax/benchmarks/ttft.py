@@ -179,7 +179,8 @@ def main(argv=None) -> int:
             "caches were not warm"
         if hf is not None and args.rounds > 1:
             print(f"  {total} tokens, block / hf prefix per round: "
-                  + " ".join(f"{r['hf_prefix'] / r['block']:.2f}x" for r in rounds), flush=True)
+                  + ", ".join(f"{r['hf_prefix'] / r['block']:.2f}x ({r['block']:.1f} vs {r['hf_prefix']:.1f} ms)"
+                              for r in rounds), flush=True)
         bound = prefill_flops(cfg, total, 0) / prefill_flops(cfg, args.last_len, total - args.last_len)
         row = dict(total=total, blocks=len(blocks), full_ms=ms["full"], block_ms=ms["block"],
                    speedup=ms["full"] / ms["block"], bound=bound)
