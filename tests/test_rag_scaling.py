@@ -242,7 +242,7 @@ def test_prompt_drops_the_oldest_documents_to_fit_the_window():
 
 def test_rag_scaling_end_to_end(tmp_path, monkeypatch):
     base = _tiny(int(np.random.default_rng().integers(1 << 30)))
-    monkeypatch.setattr("rag_jax.model.load.load_model", lambda src: base)
+    monkeypatch.setattr(rag_scaling, "load_model", lambda src: base)   # the name the recipe imported
     argv = ["--generate", "5", "--limit", "2", "--ks", "0,1", "--ms", "0,1", "--iter-ks", "1", "--steps", "2",
             "--ragged-ks", "0,1", "--ragged", "bm25", "--time-ms", "1", "--time-k", "1", "--repeats", "1",
             "--max-new-tokens", "3", "--out", str(tmp_path)]
