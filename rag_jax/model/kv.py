@@ -24,10 +24,10 @@ def concatenate(arrays, axis: int) -> jax.Array:
     """``jnp.concatenate(arrays, axis)``; on the CPU backend, for concrete arrays on its first device, a NumPy copy
     into a 64-byte-aligned buffer that JAX then reads without a copy (``jnp.from_dlpack``).
 
-    XLA:CPU's concatenate copies at about a quarter of memcpy's rate (10 passage blocks of SmolLM2 keys, 69 MB:
-    36 ms against 8 ms on 2 cores), and Block-Attention assembles every request's cache this way (issue 28). Traced
-    arrays, other devices, sharded arrays, dtypes outside NumPy's own (bfloat16) and concatenations under
-    ``HOST_CONCAT_BYTES`` take the XLA path; both give the same values.
+    XLA:CPU's concatenate copies well below memcpy's rate (``bench/PROFILE.md``), and Block-Attention assembles
+    every request's cache this way. Traced arrays, other devices, sharded arrays, dtypes outside NumPy's own
+    (bfloat16) and concatenations under ``HOST_CONCAT_BYTES`` take the XLA path; both give the same values.
+    ``arrays``: a non-empty sequence; their shapes must agree off ``axis`` (else ValueError or TypeError).
     """
     arrays = list(arrays)
     first = arrays[0]
