@@ -214,24 +214,48 @@ def test_jit_functional_forward_matches_eager(model):
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
-def test_kv_concatenate_equals_numpy_on_the_host_path_and_the_xla_path(dtype, monkeypatch):
-    """``kv.concatenate``: the host copy (CPU, concrete, >= HOST_CONCAT_BYTES) and XLA's concatenate give NumPy's
-    values; the host result is 64-byte aligned, usable under jit and after donation."""
-    from rag_jax.model import kv
-    rng = np.random.default_rng()
+_CONCAT_PROBE = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from rag_jax.model import kv
+assert jax.device_count() == 1, jax.devices()
+calls, from_dlpack = [], jnp.from_dlpack
+jnp.from_dlpack = lambda x: calls.append(True) or from_dlpack(x)   # counts the host path's hand-over
+rng = np.random.default_rng()
+for dtype in ("float32", "int32", "bfloat16"):
     lengths = rng.integers(1, 40, size=rng.integers(2, 6))
-    parts = [rng.standard_normal((3, 1, int(n), 2, 16)).astype(np.float32) * 100 for n in lengths]
-    parts = [p.astype(jnp.dtype(dtype)) for p in parts]
-    want = np.concatenate([np.asarray(p) for p in parts], axis=2)
-    for limit in (0, 1 << 40):                       # 0: every call takes the host path; huge: XLA's
-        monkeypatch.setattr(kv, "HOST_CONCAT_BYTES", limit)
+    parts = [(rng.standard_normal((3, 1, int(n), 2, 16)) * 100).astype(jnp.dtype(dtype)) for n in lengths]
+    want = np.concatenate(parts, axis=2)
+    for limit in (0, 1 << 40):                        # 0: the host path wherever it applies; huge: XLA's
+        kv.HOST_CONCAT_BYTES = limit
         got = kv.concatenate([jnp.asarray(p) for p in parts], axis=2)
         assert got.dtype == jnp.dtype(dtype) and got.shape == want.shape
         np.testing.assert_array_equal(np.asarray(got), want)
-        if limit == 0 and dtype != "bfloat16":       # bfloat16 is not NumPy's own dtype: XLA path
-            assert got.unsafe_buffer_pointer() % 64 == 0
+        host = limit == 0 and dtype != "bfloat16"     # bfloat16 is not NumPy's own dtype: XLA's path
+        assert calls.pop() == host if host else not calls, (dtype, limit, calls)
+        assert got.unsafe_buffer_pointer() % 64 == 0
         doubled = jax.jit(lambda x: x * 2, donate_argnums=0)(got)
         np.testing.assert_array_equal(np.asarray(doubled), want * 2)
     traced = jax.jit(lambda xs: kv.concatenate(xs, axis=2))([jnp.asarray(p) for p in parts])
     np.testing.assert_array_equal(np.asarray(traced), want)
+print("ok")
+"""
+
+
+def test_kv_concatenate_equals_numpy_on_the_host_path_and_the_xla_path():
+    """``kv.concatenate`` in a one-device process (the host copy: CPU, concrete, >= HOST_CONCAT_BYTES; and XLA's
+    concatenate) gives NumPy's values, 64-byte aligned, usable under jit and after donation; here, with 8 devices,
+    the result follows its inputs as XLA's does (uncommitted inputs, uncommitted result)."""
+    import os
+    import subprocess
+    import sys
+    from rag_jax.model import kv
+    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _CONCAT_PROBE], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+    assert jax.device_count() > 1
+    parts = [jnp.asarray(np.random.default_rng().standard_normal((2, 1, 300, 2, 256)), jnp.float32) for _ in range(2)]
+    got = kv.concatenate(parts, axis=2)                  # > HOST_CONCAT_BYTES, but several devices: XLA's path
+    other = jax.device_put(jnp.ones(got.shape, got.dtype), jax.devices()[1])
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, y: x + y)(got, other)),
+                                  np.concatenate([np.asarray(p) for p in parts], axis=2) + 1)

@@ -21,8 +21,9 @@ HOST_CONCAT_BYTES = 1 << 20  # smaller concatenations stay in XLA (a host copy s
 
 
 def concatenate(arrays, axis: int) -> jax.Array:
-    """``jnp.concatenate(arrays, axis)``; on the CPU backend, for concrete arrays on its first device, a NumPy copy
-    into a 64-byte-aligned buffer that JAX then reads without a copy (``jnp.from_dlpack``).
+    """``jnp.concatenate(arrays, axis)``; on a CPU backend with one device (the result is committed to it, where
+    XLA's would follow its inputs: with several devices that would differ), for concrete arrays, a NumPy copy into a
+    64-byte-aligned buffer that JAX then reads without a copy (``jnp.from_dlpack``).
 
     XLA:CPU's concatenate copies well below memcpy's rate (``bench/PROFILE.md``), and Block-Attention assembles
     every request's cache this way. Traced arrays, other devices, sharded arrays, dtypes outside NumPy's own
@@ -34,7 +35,7 @@ def concatenate(arrays, axis: int) -> jax.Array:
     if (any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in arrays)
             or np.dtype(first.dtype).isbuiltin != 1 or sum(x.nbytes for x in arrays) < HOST_CONCAT_BYTES):
         return jnp.concatenate(arrays, axis=axis)
-    device = jax.local_devices(backend="cpu")[0] if jax.default_backend() == "cpu" else None
+    device = jax.devices()[0] if jax.default_backend() == "cpu" and jax.device_count() == 1 else None
     if device is None or any(x.dtype != first.dtype or x.devices() != {device} for x in arrays):
         return jnp.concatenate(arrays, axis=axis)
     shape = list(first.shape)
