@@ -195,7 +195,8 @@ static ffi::Error LshAttend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ff
     auto slot = [&](size_t i) { return i < ne ? ex[i] : s.found[i - ne]; };
     std::vector<float>& logits = s.logits;  // reused across the thread's rows
     logits.resize(ne + ns);
-    s.cosines.assign(ns + 16, 0.f);  // a whole vector past the last
+    s.cosines.resize(ns + 16);
+    std::fill(s.cosines.begin() + ns, s.cosines.end(), 0.f);  // the last vector's unused lanes
     for (size_t i = 0; i < ne + ns; ++i) {
       if (i + PF < ne + ns) prefetch(kh + slot(i + PF) * D);
       const float* kr = kh + slot(i) * D;

@@ -32,11 +32,11 @@ def concatenate(arrays, axis: int) -> jax.Array:
     """
     arrays = list(arrays)
     first = arrays[0]
-    if (any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in arrays)
-            or np.dtype(first.dtype).isbuiltin != 1 or sum(x.nbytes for x in arrays) < HOST_CONCAT_BYTES):
-        return jnp.concatenate(arrays, axis=axis)
-    device = jax.devices()[0] if jax.default_backend() == "cpu" and jax.device_count() == 1 else None
-    if device is None or any(x.dtype != first.dtype or x.devices() != {device} for x in arrays):
+    host = (jax.default_backend() == "cpu" and jax.device_count() == 1 and np.dtype(first.dtype).isbuiltin == 1
+            and all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.dtype == first.dtype
+                    for x in arrays)
+            and sum(x.nbytes for x in arrays) >= HOST_CONCAT_BYTES)
+    if not host:
         return jnp.concatenate(arrays, axis=axis)
     shape = list(first.shape)
     shape[axis] = sum(x.shape[axis] for x in arrays)
