@@ -2,6 +2,7 @@
 computed from the whole model's own logits: the cached features (teacher states, log-probabilities of both modes),
 the loss value, the cache (hits equal, a changed model misses), a short run (the full pass starts at KL 0, the
 frozen bottom stays bit-identical, the HF export loads back), and the paired statistics."""
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -28,8 +29,8 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
             "<|im_start|>assistant\n")
 
 
-def _model(seed):
-    m = Transformer(CFG, rngs=nnx.Rngs(seed))
+def _model(seed, cfg=CFG):
+    m = Transformer(cfg, rngs=nnx.Rngs(seed))
     for i, norm in enumerate([m.final_norm] + [layer.input_norm for layer in m.layers]):  # random norm scales
         norm.scale[...] = 1.0 + 0.3 * jax.random.normal(jax.random.key(seed + i), norm.scale.shape)
     for layer in m.layers:                                              # strong, sharp attention: the modes
@@ -363,6 +364,58 @@ def test_shape_batches_cover_every_example_once_in_shapes_that_hold_it():
         longest = max(len(b) for i in idx for b in examples[i].blocks[1:-1] or [[0]])
         assert width % 256 == 0 and width >= max(examples[i].num_tokens for i in idx)
         assert shapes["passage_len"] - longest < (64 if longest <= 256 else 128)
+
+
+def test_length_buckets_pad_each_batch_to_its_own_shape_and_leave_the_loss_unchanged(tmp_path):
+    """``length_buckets``: full batches of several shapes; each batch's loss and gradients equal those of the same
+    rows padded wider (padding is never attended), and the trainer runs across an epoch, one compiled step per
+    shape, its first step's loss that of the first batch of the seeded order under the base top."""
+    rng = np.random.default_rng()
+    cfg_model = dataclasses.replace(CFG, max_seq_len=1024)
+    base = LoadedModel(cfg_model, _model(int(rng.integers(1 << 20)), cfg_model), "LlamaForCausalLM",
+                       byte_tokenizer(), TEMPLATE, (10,), {"eos_token": "\n"}, Path("tiny-chat"))
+
+    def example(passages):
+        return BlockExample([rng.integers(1, 256, int(rng.integers(2, 9))).tolist(),
+                             *[rng.integers(1, 256, int(n)).tolist() for n in passages],
+                             rng.integers(1, 256, int(rng.integers(2, 9))).tolist()],
+                            rng.integers(1, 256, int(rng.integers(2, 5))).tolist())
+
+    examples = [example(rng.integers(2, 60, 2)) for _ in range(8)]      # short rows: width 256, passages 64
+    examples += [example([150, 150]), example([140, 130, 120])] * 2        # long: width 512, passages 192
+    examples += [example(rng.integers(2, 150, int(rng.integers(1, 4)))) for _ in range(int(rng.integers(3, 7)))]
+    rng.shuffle(examples)
+    features = DistillFeatures(base.model, 1)
+    feats = features.compute(examples, progress=False, block_logp=False)
+    groups = shape_batches(examples, 8, 512, fill=True)            # 8 rows: the test mesh's 8 devices
+    assert all(len(idx) == 8 for idx, _, _ in groups) and {i for g in groups for i in g[0]} == set(range(len(examples)))
+    assert len({(w, shp["passage_len"]) for _, w, shp in groups}) > 1
+    top = split_model(base.model, 1)[1]
+    top_def, top_state = nnx.split(top)
+
+    def loss_and_grads(batch):
+        f = lambda st: _loss(top_def, st, {k: jnp.asarray(v) for k, v in batch.items()}, 1.0)
+        (loss, m), g = jax.value_and_grad(f, has_aux=True)(top_state)
+        return float(loss), jax.tree.leaves(g)
+
+    for idx, width, shp in groups:
+        rows, fs = [examples[i] for i in idx], [feats[i] for i in idx]
+        narrow = distill_batch(rows, fs, width, 16, shp)
+        wide = distill_batch(rows, fs, 512 + 64, 16, {**shp, "passage_len": shp["passage_len"] + 64})
+        assert narrow["tokens"].shape[1] < wide["tokens"].shape[1]
+        (l1, g1), (l2, g2) = loss_and_grads(narrow), loss_and_grads(wide)
+        assert l1 > 1e-4
+        np.testing.assert_allclose(l1, l2, rtol=1e-4, atol=1e-7)
+        for a, b in zip(g1, g2):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * np.abs(np.asarray(b)).max() + 1e-9)
+    cfg = DistillConfig(top_layers=1, steps=len(groups) + 2, batch_size=8, seq_len=512, max_targets=16,
+                        learning_rate=1e-3, warmup_steps=0, save_every=100, length_buckets=True)
+    _, result = distill(base, examples, cfg, tmp_path / "run", features=features)
+    assert result.step == cfg.steps and len(result.history) == cfg.steps
+    idx, width, shp = groups[np.random.default_rng([0, 0]).permutation(len(groups))[0]]
+    want = loss_and_grads(distill_batch([examples[i] for i in idx], [feats[i] for i in idx], width, 16, shp))[0]
+    np.testing.assert_allclose(result.history[0]["loss"], want, rtol=1e-4, atol=1e-7)
+    assert "length_buckets" in cfg.record() and "length_buckets" not in DistillConfig().record()
 
 
 def test_em_table_scores_greedy_replies_and_its_reply_cache_is_keyed_by_the_weights(tmp_path, monkeypatch):

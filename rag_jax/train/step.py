@@ -182,7 +182,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn,
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        metrics["grad_norm"] = optax.global_norm(grads).astype(jnp.float32)
+        metrics["grad_norm"] = optax.tree.norm(grads).astype(jnp.float32)
         if learning_rate_fn is not None:
             metrics["learning_rate"] = jnp.asarray(learning_rate_fn(state.step), jnp.float32)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

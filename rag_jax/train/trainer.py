@@ -162,7 +162,8 @@ class Task:
       loss_fn: hashable ``(model, batch, rng) -> (loss, metrics)`` (``rag_jax.train.objectives``); a
         ``metrics["num_tokens"]`` weights gradient-accumulation micro-batches.
       batch: ``step -> {name: np.ndarray [rows, ...]}``, the batch of 0-based ``step`` on this process.
-        Deterministic in ``step`` (so a resumed run sees the same data) unless ``data_iter`` is set.
+        Deterministic in ``step`` (so a resumed run sees the same data) unless ``data_iter`` is set. Shapes
+        may differ between steps (length-bucketed batches): the step is compiled once per distinct shape.
       name: shown in the progress bar.
       global_batch_size: rows per step over all processes (multi-host); None = each array's leading size
         (single process: the host batch is the global batch).
@@ -350,16 +351,26 @@ def run(cfg: RunConfig, task: Task | None = None, *, init_params=None, mesh=None
         host = first if step == 0 and start == 0 else task.batch(step)
         return to_global(host, mesh, task.global_batch_size, cfg.rules)
 
+    compiled_steps: dict = {}  # one compiled step per batch shape (tasks with length-bucketed batches)
+
+    def compiled_for(batch):
+        key = (jax.tree.structure(batch), tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)))
+        if key not in compiled_steps:
+            t = time.perf_counter()
+            compiled_steps[key] = train_step.lower(state, batch).compile()
+            if len(compiled_steps) > 1 and is_main:
+                log.info("compiled the train step for batch shape %d in %.1f s", len(compiled_steps),
+                         time.perf_counter() - t)
+        return compiled_steps[key]
+
     t0 = time.perf_counter()
     batch = device_batch(start)
-    compiled = train_step.lower(state, batch).compile()
+    mem = compiled_for(batch).memory_analysis()
     compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
     if mem is not None and is_main:
         log.info("train step memory per device: %s", _memory_summary(mem))
-    flops_per_token = metrics_lib.train_flops_per_token(model_cfg, _seq_len(batch))
     peak = metrics_lib.peak_flops_per_device(mesh.devices.flat[0], cfg.logging.peak_flops_per_device)
-    tokens_per_step = _tokens(batch)
+    tokens_done = flops_done = 0.0  # since the last logged step (batch shapes may differ between steps)
 
     evals: list[tuple[int, dict]] = []
 
@@ -378,7 +389,9 @@ def run(cfg: RunConfig, task: Task | None = None, *, init_params=None, mesh=None
     t_start = last_t = time.perf_counter()
     last_step = start
     for step in range(start + 1, tc.steps + 1):
-        state, metrics = compiled(state, batch)
+        tokens_done += _tokens(batch)
+        flops_done += _tokens(batch) * metrics_lib.train_flops_per_token(model_cfg, _seq_len(batch))
+        state, metrics = compiled_for(batch)(state, batch)
         if checkpointer is not None:
             checkpointer.save(step, state, task.data_iter, force=step == tc.steps)
         if step < tc.steps:
@@ -388,10 +401,12 @@ def run(cfg: RunConfig, task: Task | None = None, *, init_params=None, mesh=None
             now = time.perf_counter()
             step_time = (now - last_t) / (step - last_step)
             metrics.update(step_time_s=step_time, elapsed_s=now - t_start)
-            if tokens_per_step:
-                tok_s = tokens_per_step / step_time
+            if tokens_done:
+                tok_s = tokens_done / (now - last_t)
+                flops_per_token = flops_done / tokens_done
                 metrics.update(tokens_per_s=tok_s, flops_per_token=flops_per_token,
                                mfu=metrics_lib.mfu(tok_s, flops_per_token, mesh.size, peak))
+            tokens_done = flops_done = 0.0
             writer.write(step, metrics, prefix="train/")
             bar.set_postfix({"loss": f"{metrics['loss']:.4f}",
                              **{k: f"{metrics[k]:.3f}" for k in task.progress_keys if k in metrics}})

@@ -33,7 +33,6 @@ A rerun with the same arguments reuses every cached row and the finished run fol
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -115,6 +114,9 @@ def main(argv=None) -> int:
     p.add_argument("--lora-rank", type=integer(0), default=d.lora_rank,
                    help="train rank-R LoRA adapters (flax nnx.LoRA) on every projection of the top layers instead of "
                         "their weights (frozen weights: no weight gradients or optimizer state); 0 = the weights")
+    p.add_argument("--length-buckets", action="store_true",
+                   help="train on batches of rows of similar lengths, each padded to its own widths (one compiled "
+                        "step per shape) instead of one shape for all rows (DistillConfig.length_buckets)")
     p.add_argument("--seq-len", type=integer(16), default=None, help="training row length (default: longest row)")
     p.add_argument("--prefix", type=names(PREFIXES[1:]), default=[],
                    help="training-free rows, comma-separated: sink (every passage block sees block 0's first token), "
@@ -248,9 +250,9 @@ def main(argv=None) -> int:
                             max_targets=-(-max(len(target_positions(r)[0]) for r in train_rows) // 16) * 16,
                             full_weight=args.full_weight, learning_rate=args.lr, warmup_steps=args.warmup,
                             seed=args.seed, save_every=max(1, min(25, args.steps)), remat_policy=args.remat,
-                            lora_rank=args.lora_rank)
+                            lora_rank=args.lora_rank, length_buckets=args.length_buckets)
         recipe = {"model": str(args.model), "data": str(args.data), "heldout": args.heldout, "seed": args.seed,
-                  "train_rows": args.train_rows, "train_passages": train_passages, **dataclasses.asdict(cfg),
+                  "train_rows": args.train_rows, "train_passages": train_passages, **cfg.record(),
                   **({"train_max_passage": args.train_max_passage} if args.train_max_passage else {}),
                   **({"targets": "own", "target_tokens": args.target_tokens} if args.targets == "own" else {}),
                   **({"keep_cut": True} if args.keep_cut else {})}
