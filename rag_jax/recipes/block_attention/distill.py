@@ -78,8 +78,7 @@ class DistillConfig:
       length_buckets: False pads every row to ``seq_len`` and every passage to the longest training passage (one
         compiled step); True trains on ``shape_batches`` (rows of similar shapes, each batch padded to its own
         widths; one compiled step per shape, about a dozen), the batches in a seeded order per epoch. The loss
-        does not depend on padding, so this changes which rows share a step, not what a row contributes (NQ
-        rows of 5 passages: ~1.4x fewer padded tokens per step).
+        does not depend on padding, so this changes which rows share a step, not what a row contributes.
     """
 
     top_layers: int = 8
