@@ -366,10 +366,12 @@ def test_shape_batches_cover_every_example_once_in_shapes_that_hold_it():
         assert shapes["passage_len"] - longest < (64 if longest <= 256 else 128)
 
 
-def test_length_buckets_pad_each_batch_to_its_own_shape_and_leave_the_loss_unchanged(tmp_path):
+def test_length_buckets_and_the_flat_block_pass_leave_the_loss_unchanged(tmp_path):
     """``length_buckets``: full batches of several shapes; each batch's loss and gradients equal those of the same
-    rows padded wider (padding is never attended), and the trainer runs across an epoch, one compiled step per
-    shape, its first step's loss that of the first batch of the seeded order under the base top."""
+    rows padded wider (padding is never attended) and those of the flat block pass (``flat_block_pass``: one
+    block-masked forward over the row instead of passages encoded apart and re-encoded), and the trainer runs
+    across an epoch, one compiled step per shape, its first step's loss that of the first batch of the seeded
+    order under the base top."""
     rng = np.random.default_rng()
     cfg_model = dataclasses.replace(CFG, max_seq_len=1024)
     base = LoadedModel(cfg_model, _model(int(rng.integers(1 << 20)), cfg_model), "LlamaForCausalLM",
@@ -385,12 +387,12 @@ def test_length_buckets_pad_each_batch_to_its_own_shape_and_leave_the_loss_uncha
     examples += [example([150, 150]), example([140, 130, 120])] * 2        # long: width 512, passages 192
     examples += [example(rng.integers(2, 150, int(rng.integers(1, 4)))) for _ in range(int(rng.integers(3, 7)))]
     rng.shuffle(examples)
-    features = DistillFeatures(base.model, 1)
+    features = DistillFeatures(base.model, 2)        # 2 top layers: the modes differ inside the top
     feats = features.compute(examples, progress=False, block_logp=False)
     groups = shape_batches(examples, 8, 512, fill=True)            # 8 rows: the test mesh's 8 devices
     assert all(len(idx) == 8 for idx, _, _ in groups) and {i for g in groups for i in g[0]} == set(range(len(examples)))
     assert len({(w, shp["passage_len"]) for _, w, shp in groups}) > 1
-    top = split_model(base.model, 1)[1]
+    top = split_model(base.model, 2)[1]
     top_def, top_state = nnx.split(top)
 
     def loss_and_grads(batch):
@@ -403,19 +405,28 @@ def test_length_buckets_pad_each_batch_to_its_own_shape_and_leave_the_loss_uncha
         narrow = distill_batch(rows, fs, width, 16, shp)
         wide = distill_batch(rows, fs, 512 + 64, 16, {**shp, "passage_len": shp["passage_len"] + 64})
         assert narrow["tokens"].shape[1] < wide["tokens"].shape[1]
-        (l1, g1), (l2, g2) = loss_and_grads(narrow), loss_and_grads(wide)
+        flat = distill_batch(rows, fs, width, 16, shp, flat=True)
+        assert "passage_tokens" not in flat and flat["block_inputs_embeds"].shape[1] == width
+        (l1, g1), (l2, g2), (l3, g3) = loss_and_grads(narrow), loss_and_grads(wide), loss_and_grads(flat)
         assert l1 > 1e-4
         np.testing.assert_allclose(l1, l2, rtol=1e-4, atol=1e-7)
-        for a, b in zip(g1, g2):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * np.abs(np.asarray(b)).max() + 1e-9)
-    cfg = DistillConfig(top_layers=1, steps=len(groups) + 2, batch_size=8, seq_len=512, max_targets=16,
-                        learning_rate=1e-3, warmup_steps=0, save_every=100, length_buckets=True)
+        np.testing.assert_allclose(l3, l2, rtol=1e-4, atol=1e-7)
+        for a, b, c in zip(g1, g2, g3):
+            scale = 2e-5 * np.abs(np.asarray(b)).max() + 1e-9
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=scale)
+            np.testing.assert_allclose(np.asarray(c), np.asarray(b), atol=scale)
+    cfg = DistillConfig(top_layers=2, steps=len(groups) + 2, batch_size=8, seq_len=512, max_targets=16,
+                        learning_rate=1e-3, warmup_steps=0, save_every=100, length_buckets=True,
+                        flat_block_pass=True)
     _, result = distill(base, examples, cfg, tmp_path / "run", features=features)
     assert result.step == cfg.steps and len(result.history) == cfg.steps
     idx, width, shp = groups[np.random.default_rng([0, 0]).permutation(len(groups))[0]]
     want = loss_and_grads(distill_batch([examples[i] for i in idx], [feats[i] for i in idx], width, 16, shp))[0]
     np.testing.assert_allclose(result.history[0]["loss"], want, rtol=1e-4, atol=1e-7)
-    assert "length_buckets" in cfg.record() and "length_buckets" not in DistillConfig().record()
+    assert {"length_buckets", "flat_block_pass"} <= set(cfg.record())
+    assert not {"length_buckets", "flat_block_pass"} & set(DistillConfig().record())
+    with pytest.raises(ValueError, match="flat_block_pass needs prefix='none'"):
+        DistillConfig(prefix="sink", flat_block_pass=True)
 
 
 def test_em_table_scores_greedy_replies_and_its_reply_cache_is_keyed_by_the_weights(tmp_path, monkeypatch):

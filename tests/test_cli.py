@@ -119,6 +119,7 @@ BAD_SCRIPT_INPUT = [
     ("eval", "block_distill", ["--top-layers", "30"], "--top-layers"),
     ("eval", "block_distill", ["--lr", "nan"], "--lr"),
     ("eval", "block_distill", ["--train-max-passage", "8"], "--train-max-passage"),
+    ("eval", "block_distill", ["--flat-block-pass", "--train-prefix", "sink"], "--flat-block-pass"),
     ("eval", "block_distill", ["--lora-rank", "-2"], "--lora-rank"),
     ("eval", "block_distill", ["--tuned", "smollm2-135m-instruct-block", "--steps", "3"], "--tuned"),
     ("eval", "grit_pretrained", ["--modes", "unified,nosuch"], "--modes"),

@@ -117,6 +117,9 @@ def main(argv=None) -> int:
     p.add_argument("--length-buckets", action="store_true",
                    help="train on batches of rows of similar lengths, each padded to its own widths (one compiled "
                         "step per shape) instead of one shape for all rows (DistillConfig.length_buckets)")
+    p.add_argument("--flat-block-pass", action="store_true",
+                   help="with --train-prefix none: the block pass as one block-masked forward over each row (no "
+                        "per-passage padding) instead of passages padded to a grid (DistillConfig.flat_block_pass)")
     p.add_argument("--seq-len", type=integer(16), default=None, help="training row length (default: longest row)")
     p.add_argument("--prefix", type=names(PREFIXES[1:]), default=[],
                    help="training-free rows, comma-separated: sink (every passage block sees block 0's first token), "
@@ -158,6 +161,9 @@ def main(argv=None) -> int:
         p.error(f"argument --ll-rows: {args.ll_rows} exceeds the {len(heldout)} held-out questions")
     if args.em_questions > len(heldout):
         p.error(f"argument --em-questions: {args.em_questions} exceeds the {len(heldout)} held-out questions")
+    if args.flat_block_pass and args.train_prefix != "none":
+        p.error(f"argument --flat-block-pass: needs --train-prefix none (got {args.train_prefix}): a shared prefix is "
+                "encoded before every passage, which one forward over the row does not do")
     if args.tuned is not None and args.steps:
         p.error(f"argument --tuned: {args.tuned} is scored instead of training; drop --steps {args.steps}")
     loaded = load_model(args.model)
@@ -250,7 +256,8 @@ def main(argv=None) -> int:
                             max_targets=-(-max(len(target_positions(r)[0]) for r in train_rows) // 16) * 16,
                             full_weight=args.full_weight, learning_rate=args.lr, warmup_steps=args.warmup,
                             seed=args.seed, save_every=max(1, min(25, args.steps)), remat_policy=args.remat,
-                            lora_rank=args.lora_rank, length_buckets=args.length_buckets)
+                            lora_rank=args.lora_rank, length_buckets=args.length_buckets,
+                            flat_block_pass=args.flat_block_pass)
         recipe = {"model": str(args.model), "data": str(args.data), "heldout": args.heldout, "seed": args.seed,
                   "train_rows": args.train_rows, "train_passages": train_passages, **cfg.record(),
                   **({"train_max_passage": args.train_max_passage} if args.train_max_passage else {}),

@@ -79,6 +79,9 @@ class DistillConfig:
         compiled step); True trains on ``shape_batches`` (rows of similar shapes, each batch padded to its own
         widths; one compiled step per shape, about a dozen), the batches in a seeded order per epoch. The loss
         does not depend on padding, so this changes which rows share a step, not what a row contributes.
+      flat_block_pass: with ``prefix="none"``, the block pass as one block-masked forward over the whole row
+        (``BlockDistillLoss``'s flat batch: no passage padding, the row's tokens once) instead of passages padded
+        to a grid; the same function up to rounding.
     """
 
     top_layers: int = 8
@@ -95,13 +98,15 @@ class DistillConfig:
     remat_policy: str = "none"
     lora_rank: int = 0
     length_buckets: bool = False
+    flat_block_pass: bool = False
 
     def record(self) -> dict:
         """The config as a dict for run identities (recipe hashes, resume checks), without ``length_buckets``
-        when it is off: run folders written before the field existed keep their names."""
+        and ``flat_block_pass`` when off: run folders written before those fields existed keep their names."""
         out = dataclasses.asdict(self)
-        if not self.length_buckets:
-            del out["length_buckets"]
+        for name in ("length_buckets", "flat_block_pass"):
+            if not out[name]:
+                del out[name]
         return out
 
     def __post_init__(self):
@@ -120,6 +125,9 @@ class DistillConfig:
             raise ValueError(f"distill learning_rate={self.learning_rate} must be > 0")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"distill remat_policy={self.remat_policy!r}; valid: {REMAT_POLICIES}")
+        if self.flat_block_pass and self.prefix != "none":
+            raise ValueError(f"distill flat_block_pass needs prefix='none' (got {self.prefix!r}): a shared prefix "
+                             "is encoded before every passage, which one forward over the row does not do")
 
 
 def target_positions(example: BlockExample) -> tuple[np.ndarray, np.ndarray]:
@@ -332,11 +340,13 @@ def _stack(rows: Sequence[dict[str, np.ndarray]], height: int) -> dict[str, np.n
 
 
 def distill_batch(examples: Sequence[BlockExample], features: Sequence[dict], seq_len: int, max_targets: int,
-                  shapes: dict[str, int] | None = None, *, full: bool = True) -> dict[str, np.ndarray]:
+                  shapes: dict[str, int] | None = None, *, full: bool = True, flat: bool = False
+                  ) -> dict[str, np.ndarray]:
     """The ``BlockDistillLoss`` batch of ``examples`` with their ``DistillFeatures.compute`` rows: the whole rows
     right-padded to ``seq_len`` tokens (with ``full_inputs_embeds`` if ``full``), their ``block_parts`` (in the
     features' prefix) padded to ``shapes`` (default: the smallest that hold them) with ``head_`` / ``passage_`` /
-    ``tail_inputs_embeds``, and ``max_targets`` target slots.
+    ``tail_inputs_embeds``, and ``max_targets`` target slots. ``flat`` (features of prefix ``none``): the block
+    pass's inputs as ``is_global`` and ``block_inputs_embeds`` over the whole row instead of the parts.
 
     Raises:
       ValueError: an example longer than ``seq_len``, with more than ``max_targets`` targets, or not fitting
@@ -345,12 +355,18 @@ def distill_batch(examples: Sequence[BlockExample], features: Sequence[dict], se
     hidden = features[0]["full_x"].shape[1]
     b = len(examples)
     out = _stack([row_arrays(ex, seq_len) for ex in examples], b)
-    out.update(block_parts(examples, "none", shapes or part_shapes(examples, _PART_MULTIPLE)))
-    out["prefix_len"] = np.asarray([f["prefix_len"] for f in features], np.int32)
+    if flat:
+        if any(int(f["prefix_len"]) for f in features):
+            raise ValueError("distill_batch flat=True needs features of prefix 'none' (no shared prefix)")
+        out["is_global"] = np.stack([ex.to_arrays(seq_len)["is_global"] for ex in examples])
+        out["block_inputs_embeds"] = np.zeros((b, seq_len, hidden), np.float32)
+    else:
+        out.update(block_parts(examples, "none", shapes or part_shapes(examples, _PART_MULTIPLE)))
+        out["prefix_len"] = np.asarray([f["prefix_len"] for f in features], np.int32)
+        for part in ("head", "passage", "tail"):
+            out[f"{part}_inputs_embeds"] = np.zeros((*out[f"{part}_tokens"].shape, hidden), np.float32)
     if full:
         out["full_inputs_embeds"] = np.zeros((b, seq_len, hidden), np.float32)
-    for part in ("head", "passage", "tail"):
-        out[f"{part}_inputs_embeds"] = np.zeros((*out[f"{part}_tokens"].shape, hidden), np.float32)
     for key in ("target_index", "tail_index"):
         out[key] = np.zeros((b, max_targets), np.int32)
     out["target_mask"] = np.zeros((b, max_targets), np.float32)
@@ -362,12 +378,15 @@ def distill_batch(examples: Sequence[BlockExample], features: Sequence[dict], se
                              f"{seq_len} and max_targets={max_targets} must hold them (raise them or drop the row)")
         if full:
             out["full_inputs_embeds"][i, :ex.num_tokens] = f["full_x"]
-        out["head_inputs_embeds"][i, :len(ex.blocks[0])] = f["head_x"]
-        start = 0
-        for j, block in enumerate(ex.blocks[1:-1]):
-            out["passage_inputs_embeds"][i, j, :len(block)] = f["passage_x"][start:start + len(block)]
-            start += len(block)
-        out["tail_inputs_embeds"][i, :len(f["tail_x"])] = f["tail_x"]
+        if flat:
+            out["block_inputs_embeds"][i, :ex.num_tokens] = np.concatenate([f["head_x"], f["passage_x"], f["tail_x"]])
+        else:
+            out["head_inputs_embeds"][i, :len(ex.blocks[0])] = f["head_x"]
+            start = 0
+            for j, block in enumerate(ex.blocks[1:-1]):
+                out["passage_inputs_embeds"][i, j, :len(block)] = f["passage_x"][start:start + len(block)]
+                start += len(block)
+            out["tail_inputs_embeds"][i, :len(f["tail_x"])] = f["tail_x"]
         out["target_index"][i, :len(t)], out["tail_index"][i, :len(t)] = t, np.arange(len(t))
         out["target_mask"][i, :len(t)] = 1.0
         out["teacher_hidden"][i, :len(t)] = f["teacher_hidden"]
@@ -445,10 +464,10 @@ def distill(loaded, examples: Sequence[BlockExample], cfg: DistillConfig, run_di
             epoch, i = divmod(step, len(groups))
             idx, width, group_shapes = groups[np.random.default_rng([cfg.seed, epoch]).permutation(len(groups))[i]]
             return distill_batch([examples[j] for j in idx], [feats[j] for j in idx], width, cfg.max_targets,
-                                 group_shapes, full=full)
+                                 group_shapes, full=full, flat=cfg.flat_block_pass)
         idx = [int(order[(step * cfg.batch_size + i) % len(order)]) for i in range(cfg.batch_size)]
         return distill_batch([examples[i] for i in idx], [feats[i] for i in idx], cfg.seq_len, cfg.max_targets,
-                             shapes, full=full)
+                             shapes, full=full, flat=cfg.flat_block_pass)
 
     top = add_lora(features.top, cfg.lora_rank, seed=cfg.seed) if cfg.lora_rank else features.top
     run_cfg = trainer.RunConfig(

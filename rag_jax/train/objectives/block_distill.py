@@ -28,6 +28,8 @@ from rag_jax.train.objectives.nll import distill_kl
 
 DISTILL_BATCH_KEYS = PART_KEYS + ("head_inputs_embeds", "passage_inputs_embeds", "tail_inputs_embeds",
                                   "tail_index", "target_mask", "teacher_hidden")
+FLAT_BATCH_KEYS = ("tokens", "positions", "segment_ids", "is_global", "block_inputs_embeds", "target_index",
+                   "target_mask", "teacher_hidden")
 FULL_BATCH_KEYS = ("tokens", "positions", "segment_ids", "full_inputs_embeds", "target_index")
 
 
@@ -43,6 +45,11 @@ class BlockDistillLoss:
       padding), ``full_inputs_embeds`` float32 ``[B, S, hidden]`` (the bottom's causal output), ``target_index``
       int32 ``[B, G]`` (the same targets in the whole row);
       both: ``target_mask`` ``[B, G]`` (1 = a real target), ``teacher_hidden`` float32 ``[B, G, hidden]``.
+      Or, for plain block mode (no shared prefix), the block pass as one forward over the whole row under the
+      block mask (Block-Attention's training form, §2.2: no per-passage padding): ``is_global`` bool ``[B, S]``
+      and ``block_inputs_embeds`` float32 ``[B, S, hidden]`` (the bottom's block-mode output in row order)
+      instead of the part arrays; the same function (RoPE is relative: passages at their offsets or encoded
+      at 0 and re-encoded agree up to rounding).
 
     Attributes:
       full_weight: weight of the full-attention pass's KL (>= 0); the block pass has weight 1.
@@ -62,7 +69,8 @@ class BlockDistillLoss:
 
     def __call__(self, model, batch, rng=None):
         del rng
-        keys = DISTILL_BATCH_KEYS + (FULL_BATCH_KEYS if self.full_weight > 0 else ())
+        flat = "block_inputs_embeds" in batch
+        keys = (FLAT_BATCH_KEYS if flat else DISTILL_BATCH_KEYS) + (FULL_BATCH_KEYS if self.full_weight > 0 else ())
         missing = [k for k in keys if k not in batch]
         if missing:
             raise ValueError(f"Block-Attention distillation batch is missing {missing}; it has {sorted(batch)} "
@@ -73,8 +81,13 @@ class BlockDistillLoss:
         def kl(hidden, index):
             return distill_kl(model.logits(jnp.take_along_axis(hidden, index[:, :, None], axis=1)), teacher, mask)
 
-        embeds = (batch["head_inputs_embeds"], batch["passage_inputs_embeds"], batch["tail_inputs_embeds"])
-        kl_block = kl(model.final_norm(prefix_block_residuals(model, batch, embeds)[2]), batch["tail_index"])
+        if flat:
+            kl_block = kl(model(batch["tokens"], batch["positions"], batch["segment_ids"], mode="block",
+                                is_global=batch["is_global"], inputs_embeds=batch["block_inputs_embeds"]).hidden,
+                          batch["target_index"])
+        else:
+            embeds = (batch["head_inputs_embeds"], batch["passage_inputs_embeds"], batch["tail_inputs_embeds"])
+            kl_block = kl(model.final_norm(prefix_block_residuals(model, batch, embeds)[2]), batch["tail_index"])
         if self.full_weight > 0:
             hidden = model(batch["tokens"], batch["positions"], batch["segment_ids"], mode="causal",
                            inputs_embeds=batch["full_inputs_embeds"]).hidden
