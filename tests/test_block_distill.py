@@ -424,7 +424,7 @@ def test_length_buckets_and_the_flat_block_pass_leave_the_loss_unchanged(tmp_pat
     want = loss_and_grads(distill_batch([examples[i] for i in idx], [feats[i] for i in idx], width, 16, shp))[0]
     np.testing.assert_allclose(result.history[0]["loss"], want, rtol=1e-4, atol=1e-7)
     assert {"length_buckets", "flat_block_pass"} <= set(cfg.record())
-    assert not {"length_buckets", "flat_block_pass"} & set(DistillConfig().record())
+    assert not {"lora_rank", "length_buckets", "flat_block_pass"} & set(DistillConfig().record())
     with pytest.raises(ValueError, match="flat_block_pass needs prefix='none'"):
         DistillConfig(prefix="sink", flat_block_pass=True)
 

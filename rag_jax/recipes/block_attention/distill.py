@@ -3,14 +3,12 @@
 The objective is ``objectives.block_distill.BlockDistillLoss`` (the reasons are there). This module holds what
 feeds it and what comes out:
 
-- ``DistillFeatures``: per training or evaluation row (a ``block_rag.BlockExample``), the frozen bottom's output
-  in causal mode and in block mode with the chosen shared prefix (``inference.block_prefix``: ``none`` is plain
-  block mode, ``sink`` one sink shared by all passages; the student trains through the same function inference
-  uses, so it learns the attention it is deployed with), the teacher's (base model, full attention) hidden
-  states after the final norm at the target positions, and the log-probability of each target's actual next token under full and under block
-  attention of the base model. All from one jitted pass per batch of rows; rows are kept in ``.npz`` files named
-  by a hash of the base model's weights, the split and the row, so a cache hit is never stale and reruns,
-  resumed runs and later evaluations pay nothing.
+- ``DistillFeatures``: per row (a ``block_rag.BlockExample``), the frozen bottom's output in causal mode and in
+  block mode with the chosen shared prefix (``inference.block_prefix``: ``none`` plain block mode, ``sink`` one
+  sink shared by all passages: the student trains through the function inference uses), the teacher's hidden
+  states after the final norm at the targets, and each target's next-token log-probability under full and block
+  attention of the base model; one jitted pass per batch of rows, kept in ``.npz`` files named by a hash of the
+  weights, the split and the row (a cache hit is never stale; reruns and later evaluations pay nothing).
 - ``distill``: trains the top ``top_layers`` layers (``rag_jax.train.frozen_bottom``) with the one trainer into a
   run folder (resumed when rerun) and returns the full tuned model (``merge_top``).
 - ``answer_logprobs``: per-target log-probabilities of any top (base or tuned) from the cached features, in
@@ -18,9 +16,8 @@ feeds it and what comes out:
 - ``export_hf``: the tuned model as an HF folder with the base model's tokenizer and chat template, which
   ``--model`` (``rag_jax.model.load.load_model``) accepts.
 
-Targets (``target_positions``): every position of the last block and the response except the final token, i.e.
-the positions whose next token is a question, template or response token; the position before the last block
-(the end of a local passage block) is not one, since in block mode it sees its own passage only.
+Targets (``target_positions``): every position of the last block and the response but the final token (next
+token: question, template or response); not the end of the last passage, which in block mode sees only itself.
 """
 from __future__ import annotations
 
@@ -79,9 +76,8 @@ class DistillConfig:
         compiled step); True trains on ``shape_batches`` (rows of similar shapes, each batch padded to its own
         widths; one compiled step per shape, about a dozen), the batches in a seeded order per epoch. The loss
         does not depend on padding, so this changes which rows share a step, not what a row contributes.
-      flat_block_pass: with ``prefix="none"``, the block pass as one block-masked forward over the whole row
-        (``BlockDistillLoss``'s flat batch: no passage padding, the row's tokens once) instead of passages padded
-        to a grid; the same function up to rounding.
+      flat_block_pass: with ``prefix="none"``, the block pass as one block-masked forward over the row
+        (``BlockDistillLoss``'s flat batch) instead of passages padded to a grid; the same function up to rounding.
     """
 
     top_layers: int = 8
@@ -101,13 +97,10 @@ class DistillConfig:
     flat_block_pass: bool = False
 
     def record(self) -> dict:
-        """The config as a dict for run identities (recipe hashes, resume checks), without ``length_buckets``
-        and ``flat_block_pass`` when off: run folders written before those fields existed keep their names."""
+        """The config as a dict for run identities (recipe hashes, resume checks), without the later fields
+        (``lora_rank``, ``length_buckets``, ``flat_block_pass``) when off: earlier run folders keep their names."""
         out = dataclasses.asdict(self)
-        for name in ("length_buckets", "flat_block_pass"):
-            if not out[name]:
-                del out[name]
-        return out
+        return {k: v for k, v in out.items() if v or k not in ("lora_rank", "length_buckets", "flat_block_pass")}
 
     def __post_init__(self):
         for name in ("top_layers", "steps", "batch_size", "seq_len", "max_targets", "save_every"):
