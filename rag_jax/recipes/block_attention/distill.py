@@ -135,10 +135,11 @@ def target_positions(example: BlockExample) -> tuple[np.ndarray, np.ndarray]:
     return positions, positions + 1 >= n - len(example.response)
 
 
-def row_arrays(example: BlockExample, seq_len: int) -> dict[str, np.ndarray]:
-    """``tokens``, ``positions``, ``segment_ids`` ``[seq_len]`` of the whole row (``BlockExample.to_arrays``)."""
+def row_arrays(example: BlockExample, seq_len: int, *, is_global: bool = False) -> dict[str, np.ndarray]:
+    """``tokens``, ``positions``, ``segment_ids`` ``[seq_len]`` of the whole row (``BlockExample.to_arrays``), and
+    its bool ``is_global`` (the last block and response: block mode's global tokens) if asked."""
     arrays = example.to_arrays(seq_len)
-    return {k: arrays[k] for k in ("tokens", "positions", "segment_ids")}
+    return {k: arrays[k] for k in ("tokens", "positions", "segment_ids", *(("is_global",) if is_global else ()))}
 
 
 @functools.partial(jax.jit, static_argnames=("bottom_def", "top_def", "block_logp"))
@@ -347,11 +348,10 @@ def distill_batch(examples: Sequence[BlockExample], features: Sequence[dict], se
     """
     hidden = features[0]["full_x"].shape[1]
     b = len(examples)
-    out = _stack([row_arrays(ex, seq_len) for ex in examples], b)
+    if flat and any(int(f["prefix_len"]) for f in features):
+        raise ValueError("distill_batch flat=True needs features of prefix 'none' (no shared prefix)")
+    out = _stack([row_arrays(ex, seq_len, is_global=flat) for ex in examples], b)
     if flat:
-        if any(int(f["prefix_len"]) for f in features):
-            raise ValueError("distill_batch flat=True needs features of prefix 'none' (no shared prefix)")
-        out["is_global"] = np.stack([ex.to_arrays(seq_len)["is_global"] for ex in examples])
         out["block_inputs_embeds"] = np.zeros((b, seq_len, hidden), np.float32)
     else:
         out.update(block_parts(examples, "none", shapes or part_shapes(examples, _PART_MULTIPLE)))
